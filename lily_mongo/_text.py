@@ -1,0 +1,38 @@
+"""Bounded, sanitized text for reasons, reports and headers.
+
+Nothing unbounded or unprintable that came from the outside is ever echoed:
+values are cut to a byte budget and control characters are replaced.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["describe_value", "truncate_utf8"]
+
+_UNSAFE = re.compile(r"[^\x20-\x7e]")
+
+
+def truncate_utf8(text: str, max_bytes: int) -> str:
+    """Cut ``text`` to at most ``max_bytes`` UTF-8 bytes, never splitting a character."""
+    if len(text) <= max_bytes and text.isascii():
+        return text
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= max_bytes:
+        return text
+    return raw[: max(0, max_bytes - 3)].decode("utf-8", "ignore") + "..."
+
+
+def describe_value(value: object, limit: int = 24) -> str:
+    """A short, printable description of an untrusted value: its type and a bounded preview."""
+    kind = type(value).__name__
+    if isinstance(value, str | bytes | bytearray):
+        size = len(value)
+        preview_src = value[: limit + 1]
+        preview = preview_src if isinstance(preview_src, str) else bytes(preview_src).decode("latin-1")
+        preview = _UNSAFE.sub("?", preview[:limit])
+        suffix = "..." if size > limit else ""
+        return f"{kind} {preview!r}{suffix} (length {size})"
+    if isinstance(value, bool | int | float):
+        return truncate_utf8(f"{kind} {value!r}", limit + 16)
+    return kind

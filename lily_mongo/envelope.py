@@ -1,0 +1,278 @@
+"""The canonical message envelope and the metadata bounds (SPEC sections 2 and 4).
+
+Pure: imports no I/O library, so it can run on every delivery in microseconds
+and be fuzzed. :func:`validate_envelope` is the first thing the consumer calls
+after reading a delivery's headers and body size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .bounds import BOUNDS, HANDOFF_HEADER_KEYS, utf8_len
+from ._text import describe_value
+from .errors import EnvelopeError, ErrorCode
+
+__all__ = [
+    "CONTENT_KIND_HEADER",
+    "EVENT_ID_HEADER",
+    "Envelope",
+    "EnvelopeError",
+    "RETRY_COUNT_HEADER",
+    "SCHEMA_VERSION_HEADER",
+    "TRACEPARENT_HEADER",
+    "TRACESTATE_HEADER",
+    "check_content_kind",
+    "is_canonical_uuid",
+    "validate_envelope",
+]
+
+EVENT_ID_HEADER = "x-lily-event-id"
+SCHEMA_VERSION_HEADER = "x-lily-schema-version"
+CONTENT_KIND_HEADER = "x-lily-content-kind"
+RETRY_COUNT_HEADER = "x-retry-count"
+TRACEPARENT_HEADER = "traceparent"
+TRACESTATE_HEADER = "tracestate"
+
+# ``re.fullmatch`` with explicit ASCII classes: ``$`` would accept a trailing
+# newline and ``\d`` would accept non-ASCII digits.
+_UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_VERSION_RE = re.compile(r"[1-9][0-9]{0,4}")
+_CONTENT_KIND_RE = re.compile(r"[a-z0-9][a-z0-9._+-]*")
+_TRACEPARENT_RE = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_NIL_UUID = "00000000-0000-0000-0000-000000000000"
+
+# Fixed sizes charged for non-string AMQP values (their wire width).
+_SCALAR_SIZES: dict[type, int] = {
+    bool: 1,
+    int: 8,
+    float: 8,
+    decimal.Decimal: 5,
+    datetime.datetime: 8,
+    type(None): 0,
+}
+_HANDOFF_KEYS_COUNT = len(HANDOFF_HEADER_KEYS)
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """The validated canonical envelope of one delivery."""
+
+    event_id: uuid.UUID
+    schema_version: int
+    content_kind: str
+    retry_count: int
+    traceparent: str | None
+    tracestate: str | None
+
+
+def is_canonical_uuid(text: object) -> bool:
+    """True for lowercase, hyphenated 8-4-4-4-12 UUID text that is not the nil UUID."""
+    return isinstance(text, str) and _UUID_RE.fullmatch(text) is not None and text != _NIL_UUID
+
+
+def check_content_kind(kind: object) -> str | None:
+    """Return why ``kind`` is not a canonical content kind token, or None when it is."""
+    if not isinstance(kind, str):
+        return f"must be a string, got {describe_value(kind)}"
+    if not kind:
+        return "must not be empty"
+    if len(kind) > BOUNDS.content_kind_max_bytes:
+        return f"is {utf8_len(kind)} bytes, over the bound of {BOUNDS.content_kind_max_bytes} bytes"
+    if _CONTENT_KIND_RE.fullmatch(kind) is None:
+        return f"must match [a-z0-9][a-z0-9._+-]*, got {describe_value(kind)}"
+    return None
+
+
+def _bounds_error(reason: str) -> EnvelopeError:
+    return EnvelopeError(ErrorCode.METADATA_BOUNDS_EXCEEDED, reason)
+
+
+def _invalid(reason: str) -> EnvelopeError:
+    return EnvelopeError(ErrorCode.ENVELOPE_INVALID, reason)
+
+
+class _Walk:
+    """Counts nested elements across one header table."""
+
+    __slots__ = ("elements",)
+
+    def __init__(self) -> None:
+        self.elements = 0
+
+    def size(self, key: str, value: object, depth: int) -> int:
+        """AMQP payload bytes of ``value``; raises on depth, element and type violations."""
+        kind = type(value)
+        if kind is str:
+            return utf8_len(value)  # type: ignore[arg-type]
+        if kind is bytes or kind is bytearray:
+            return len(value)  # type: ignore[arg-type]
+        scalar = _SCALAR_SIZES.get(kind)
+        if scalar is not None:
+            return scalar
+        if isinstance(value, Mapping | list | tuple):
+            if depth >= BOUNDS.metadata_depth:
+                raise _bounds_error(
+                    f"header {key!r} nests deeper than the bound of {BOUNDS.metadata_depth} levels"
+                )
+            items = list(value.items()) if isinstance(value, Mapping) else list(enumerate(value))
+            self.elements += len(items)
+            if self.elements > BOUNDS.metadata_elements:
+                raise _bounds_error(
+                    f"nested metadata has more than {BOUNDS.metadata_elements} elements (bound)"
+                )
+            total = 0
+            for inner_key, inner in items:
+                if isinstance(value, Mapping):
+                    if not isinstance(inner_key, str):
+                        raise _invalid(f"header {key!r} has a table key that is not a string")
+                    total += utf8_len(inner_key)
+                total += self.size(key, inner, depth + 1)
+            return total
+        if isinstance(value, str | bytes | bool | int | float | decimal.Decimal | datetime.datetime):
+            # Subclasses of AMQP types are charged like their base type.
+            if isinstance(value, str):
+                return utf8_len(value)
+            if isinstance(value, bytes):
+                return len(value)
+            return 8
+        raise _invalid(f"header {key!r} holds a {kind.__name__}, which is not an AMQP field value")
+
+
+def _check_metadata(headers: Mapping[str, object]) -> None:
+    entries = len(headers)
+    # Room for the framework's own handoff headers (replaced when already present).
+    reserved_extra = _HANDOFF_KEYS_COUNT - sum(1 for k in HANDOFF_HEADER_KEYS if k in headers)
+    if entries + reserved_extra > BOUNDS.header_entries:
+        raise _bounds_error(
+            f"{entries} header entries plus {reserved_extra} reserved for handoff headers "
+            f"exceed the bound of {BOUNDS.header_entries}"
+        )
+    walk = _Walk()
+    aggregate = 0
+    for key, value in headers.items():
+        if not isinstance(key, str):
+            raise _invalid(f"header key is a {type(key).__name__}, not a string")
+        key_bytes = utf8_len(key)
+        if key_bytes > BOUNDS.header_key_bytes or key_bytes == 0:
+            raise _bounds_error(
+                f"header key of {key_bytes} bytes is outside 1..{BOUNDS.header_key_bytes} bytes "
+                f"(starts {describe_value(key)})"
+            )
+        if isinstance(value, str) and len(value) > BOUNDS.header_value_bytes:
+            # Cheap early exit before encoding a huge string: characters <= bytes.
+            raise _bounds_error(
+                f"header {key!r} value is over the bound of {BOUNDS.header_value_bytes} bytes"
+            )
+        size = walk.size(key, value, 0)
+        if size > BOUNDS.header_value_bytes:
+            raise _bounds_error(
+                f"header {key!r} value is {size} bytes, over the bound of {BOUNDS.header_value_bytes} bytes"
+            )
+        if key not in HANDOFF_HEADER_KEYS:
+            aggregate += key_bytes + size
+    allowed = BOUNDS.metadata_aggregate_bytes - BOUNDS.handoff_reserve_bytes
+    if aggregate > allowed:
+        raise _bounds_error(
+            f"metadata is {aggregate} bytes, over the bound of {allowed} bytes "
+            f"({BOUNDS.metadata_aggregate_bytes} less {BOUNDS.handoff_reserve_bytes} reserved for handoff headers)"
+        )
+
+
+def _required_str(headers: Mapping[str, object], name: str) -> str:
+    value = headers.get(name)
+    if value is None:
+        raise _invalid(f"header {name!r} is required and missing")
+    if not isinstance(value, str):
+        raise _invalid(f"header {name!r} must be an AMQP string, got {describe_value(value)}")
+    return value
+
+
+def _optional_trace(headers: Mapping[str, object], name: str, bound: int) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _invalid(f"header {name!r} must be an AMQP string, got {describe_value(value)}")
+    if utf8_len(value) > bound:
+        raise _bounds_error(f"header {name!r} is {utf8_len(value)} bytes, over the bound of {bound} bytes")
+    return value
+
+
+def validate_envelope(
+    headers: Mapping[str, object] | None,
+    body_size: int,
+    *,
+    max_body: int = BOUNDS.queue_body_default,
+) -> Envelope:
+    """Validate a delivery's headers and body size; return its canonical :class:`Envelope`.
+
+    Checks run in the order of SPEC section 2: body size (``QUEUE_BODY_TOO_LARGE``),
+    metadata bounds (``QUEUE_METADATA_BOUNDS_EXCEEDED``), canonical envelope
+    (``QUEUE_ENVELOPE_INVALID``). Raises only :class:`EnvelopeError`.
+    """
+    if isinstance(body_size, bool) or not isinstance(body_size, int) or body_size < 0:
+        raise _invalid(f"body size must be a non-negative integer, got {describe_value(body_size)}")
+    if body_size > max_body:
+        raise EnvelopeError(
+            ErrorCode.BODY_TOO_LARGE, f"body is {body_size} bytes, over the bound of {max_body} bytes"
+        )
+    if headers is None:
+        headers = {}
+    elif not isinstance(headers, Mapping):
+        raise _invalid(f"headers must be a table, got {type(headers).__name__}")
+    _check_metadata(headers)
+
+    event_text = _required_str(headers, EVENT_ID_HEADER)
+    if not is_canonical_uuid(event_text):
+        raise _invalid(
+            f"header {EVENT_ID_HEADER!r} must be a canonical lowercase hyphenated non-nil UUID, "
+            f"got {describe_value(event_text, 40)}"
+        )
+    version_text = _required_str(headers, SCHEMA_VERSION_HEADER)
+    if _VERSION_RE.fullmatch(version_text) is None or int(version_text) > BOUNDS.schema_version_max:
+        raise _invalid(
+            f"header {SCHEMA_VERSION_HEADER!r} must be a canonical decimal string "
+            f"{BOUNDS.schema_version_min}..{BOUNDS.schema_version_max}, got {describe_value(version_text)}"
+        )
+    kind = _required_str(headers, CONTENT_KIND_HEADER)
+    problem = check_content_kind(kind)
+    if problem is not None:
+        raise _invalid(f"header {CONTENT_KIND_HEADER!r} {problem}")
+
+    retry_value = headers.get(RETRY_COUNT_HEADER)
+    if retry_value is None and RETRY_COUNT_HEADER not in headers:
+        retry_count = 0
+    elif type(retry_value) is not int:
+        # bool is an int subclass in Python but not an AMQP integer here.
+        raise _invalid(
+            f"header {RETRY_COUNT_HEADER!r} must be an AMQP integer 0..{BOUNDS.retry_count_max}, "
+            f"got {describe_value(retry_value)}"
+        )
+    elif not 0 <= retry_value <= BOUNDS.retry_count_max:
+        raise _invalid(
+            f"header {RETRY_COUNT_HEADER!r} is {retry_value}, outside the bound 0..{BOUNDS.retry_count_max}"
+        )
+    else:
+        retry_count = retry_value
+
+    traceparent = _optional_trace(headers, TRACEPARENT_HEADER, BOUNDS.traceparent_bytes)
+    if traceparent is not None and _TRACEPARENT_RE.fullmatch(traceparent) is None:
+        # W3C Trace Context: a receiver ignores a malformed traceparent (and its tracestate).
+        traceparent = None
+        tracestate = None
+    else:
+        tracestate = _optional_trace(headers, TRACESTATE_HEADER, BOUNDS.tracestate_bytes)
+    return Envelope(
+        event_id=uuid.UUID(event_text),
+        schema_version=int(version_text),
+        content_kind=kind,
+        retry_count=retry_count,
+        traceparent=traceparent,
+        tracestate=tracestate,
+    )

@@ -1,0 +1,109 @@
+"""The exception tree and the stable error codes.
+
+One root (:class:`LilyError`) with subtrees by what the caller can do about it
+(STYLE.md, convention 2). Error codes are plain strings on the wire
+(``x-lily-failure-code``); :class:`ErrorCode` names the ones the framework
+itself produces.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+__all__ = [
+    "ConfigError",
+    "EnvelopeError",
+    "ErrorCode",
+    "LilyError",
+    "PlanError",
+    "PublishError",
+    "QueueHandlerError",
+    "ScopeClosedError",
+    "TransportError",
+]
+
+
+class ErrorCode(enum.StrEnum):
+    """Stable failure codes produced by the framework (SPEC section 7)."""
+
+    ENVELOPE_INVALID = "QUEUE_ENVELOPE_INVALID"
+    METADATA_BOUNDS_EXCEEDED = "QUEUE_METADATA_BOUNDS_EXCEEDED"
+    BODY_TOO_LARGE = "QUEUE_BODY_TOO_LARGE"
+    SCHEMA_VERSION_UNSUPPORTED = "QUEUE_SCHEMA_VERSION_UNSUPPORTED"
+    CONTENT_KIND_UNSUPPORTED = "QUEUE_CONTENT_KIND_UNSUPPORTED"
+    PAYLOAD_DECODE_FAILED = "QUEUE_PAYLOAD_DECODE_FAILED"
+    RETRIES_EXHAUSTED = "QUEUE_RETRIES_EXHAUSTED"
+    DEFERRALS_EXHAUSTED = "QUEUE_DEFERRALS_EXHAUSTED"
+    HANDLER_FAILED = "QUEUE_HANDLER_FAILED"
+    HANDLER_TIMEOUT = "QUEUE_HANDLER_TIMEOUT"
+    GUARD_REJECTED = "QUEUE_GUARD_REJECTED"
+
+
+class LilyError(Exception):
+    """Root of every exception raised by lily_mongo."""
+
+
+class ConfigError(LilyError, ValueError):
+    """An option or registration is invalid; fix the configuration."""
+
+
+class PlanError(ConfigError):
+    """The registered consumer plan breaks a bound or a rule (SPEC section 4)."""
+
+
+class EnvelopeError(LilyError):
+    """A delivery's envelope or metadata is invalid; the delivery is rejected permanently.
+
+    ``code`` is a stable :class:`ErrorCode` value; ``reason`` is bounded and sanitized:
+    it names the header and the bound and never echoes an unbounded raw value.
+    """
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(f"{code}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class QueueHandlerError(LilyError):
+    """Raised by a handler to choose its settlement: retry later, or dead-letter now."""
+
+    def __init__(self, code: str, message: str = "", *, kind: Literal["retryable", "permanent"]) -> None:
+        if not isinstance(code, str) or not code:
+            raise ConfigError(f"QueueHandlerError code must be a non-empty string, got {code!r:.40}")
+        super().__init__(f"{code}: {message}" if message else code)
+        self.code = code
+        self.message = message
+        self.kind: Literal["retryable", "permanent"] = kind
+
+    @property
+    def is_retryable(self) -> bool:
+        """True when the framework should hand the delivery to a retry bucket."""
+        return self.kind == "retryable"
+
+    @classmethod
+    def retryable(cls, code: str, message: str = "") -> QueueHandlerError:
+        """A failure that may succeed later: retried through the retry buckets."""
+        return cls(code, message, kind="retryable")
+
+    @classmethod
+    def permanent(cls, code: str, message: str = "") -> QueueHandlerError:
+        """A failure that will never succeed: dead-lettered at once."""
+        return cls(code, message, kind="permanent")
+
+
+class TransportError(LilyError):
+    """The broker or database connection failed or refused an operation."""
+
+
+class PublishError(TransportError):
+    """A publish was not confirmed: unroutable (returned), nacked, timed out or its channel closed."""
+
+    def __init__(self, kind: Literal["unroutable", "nacked", "timeout", "closed"], detail: str) -> None:
+        super().__init__(f"publish {kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+class ScopeClosedError(LilyError, RuntimeError):
+    """A handler scope (``MongoScope``, its outbox) was used after its attempt ended."""
