@@ -1,0 +1,105 @@
+"""AMQP wire details the rest of the package relies on.
+
+* :class:`LilyProperties` encodes ``x-retry-count`` as AMQP LongInt (type tag
+  ``I``) whatever its value. pamqp picks the narrowest integer type for table
+  values (``b`` for 0..127) and offers no per-value choice; overriding the
+  header table encoding on this one properties subclass keeps every other
+  value, and every other publisher in the process, on pamqp's defaults.
+* :func:`basic_publish` is the one place that publishes: mandatory, confirmed,
+  bounded by a timeout, with aiormq's errors mapped to :class:`PublishError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import aiormq
+import aiormq.exceptions
+from pamqp import commands as spec
+from pamqp import common
+from pamqp import encode
+
+from .errors import PublishError
+
+__all__ = ["LONG_INT_HEADERS", "LilyProperties", "basic_publish", "encode_headers_table"]
+
+# Headers always written as signed 32-bit LongInt (SPEC section 2).
+LONG_INT_HEADERS: frozenset[str] = frozenset({"x-retry-count"})
+_LONG_INT = struct.Struct(">i")
+
+
+def encode_headers_table(headers: Mapping[str, Any]) -> bytes:
+    """Encode an AMQP field table like pamqp does, but LongInt for :data:`LONG_INT_HEADERS`."""
+    if not headers:
+        return common.Struct.integer.pack(0)
+    parts: list[bytes] = []
+    for key, value in sorted(headers.items()):
+        parts.append(encode.short_string(key))
+        if key in LONG_INT_HEADERS and type(value) is int:
+            parts.append(b"I" + _LONG_INT.pack(value))
+        else:
+            parts.append(encode.encode_table_value(value))
+    payload = b"".join(parts)
+    return common.Struct.integer.pack(len(payload)) + payload
+
+
+class LilyProperties(spec.Basic.Properties):
+    """Basic.Properties whose header table writes ``x-retry-count`` as LongInt."""
+
+    def encode_property(self, name: str, value: common.FieldValue) -> bytes:
+        if name == "headers" and isinstance(value, dict):
+            return encode_headers_table(value)
+        return super().encode_property(name, value)
+
+
+async def basic_publish(
+    channel: aiormq.abc.AbstractChannel,
+    *,
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    headers: Mapping[str, Any],
+    content_type: str | None,
+    timeout: float,
+    persistent: bool = True,
+    expiration: str | None = None,
+) -> None:
+    """Publish mandatory on a confirming channel; return only once the broker confirmed.
+
+    Raises :class:`PublishError` with kind ``unroutable`` (basic.return),
+    ``nacked`` (basic.nack), ``timeout`` (no confirm in ``timeout`` seconds) or
+    ``closed`` (the channel or connection failed).
+    """
+    properties = LilyProperties(
+        content_type=content_type,
+        headers=dict(headers),
+        delivery_mode=2 if persistent else 1,
+        # A fresh id per publication: aiormq matches basic.return frames to
+        # publishes by message_id, so copies of one event must not share it.
+        message_id=uuid.uuid4().hex,
+        expiration=expiration,
+    )
+    where = f"exchange {exchange!r} routing key {routing_key!r}"
+    try:
+        confirmation = await channel.basic_publish(
+            body,
+            exchange=exchange,
+            routing_key=routing_key,
+            properties=properties,
+            mandatory=True,
+            timeout=timeout,
+        )
+    except aiormq.exceptions.PublishError as exc:
+        raise PublishError("unroutable", f"{where}: returned by the broker as unroutable") from exc
+    except aiormq.exceptions.DeliveryError as exc:
+        raise PublishError("nacked", f"{where}: the broker nacked the message") from exc
+    except TimeoutError as exc:
+        raise PublishError("timeout", f"{where}: no publisher confirm within {timeout:g} s") from exc
+    except (aiormq.exceptions.AMQPError, ConnectionError, asyncio.InvalidStateError, RuntimeError) as exc:
+        raise PublishError("closed", f"{where}: channel failed ({type(exc).__name__})") from exc
+    if not isinstance(confirmation, spec.Basic.Ack):
+        raise PublishError("nacked", f"{where}: no publisher confirm (got {type(confirmation).__name__})")

@@ -1,0 +1,93 @@
+"""An embedded MongoDB-wire server for the demo and the test suite.
+
+Runs ``mongoeco``'s wire server (``pip install 'lily-mongo[embedded]'``, Python
+>= 3.13) so real PyMongo clients talk to it over TCP. It is an emulator, not
+MongoDB: see docs/emulator.md for every deviation the library copes with.
+
+One deviation is corrected here, in this process only: mongoeco's wire layer
+answers ``commitTransaction`` outside its ``failCommand`` check, so a
+``configureFailPoint`` on ``commitTransaction`` never fires. MongoDB does fire
+it (before the commit applies), and the commit-failure tests rely on that, so
+the server started here consults the same failpoint state for commits.
+
+Run as ``python -m lily_mongo.embedded [--host H] [--port P]``; it prints
+``READY <uri>`` on stdout once it accepts connections and stops on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from typing import Any
+
+__all__ = ["main", "serve"]
+
+
+def _patch_commit_failpoints() -> None:
+    from mongoeco.errors import ConnectionFailure, OperationFailure
+    from mongoeco.wire._executor_handlers import WireSpecialCommandHandlers
+
+    original = WireSpecialCommandHandlers._handle_commit_transaction
+    if getattr(original, "_lily_failpoints", False):
+        return
+
+    async def handle_commit(self: Any, context: Any) -> dict[str, object]:
+        state = getattr(self._client._engine, "_command_failpoint_state", None)
+        injected = state.consume_fail_command("commitTransaction") if state is not None else None
+        if injected is not None:
+            if injected.block_time_ms > 0:
+                await asyncio.sleep(injected.block_time_ms / 1000)
+            if injected.close_connection:
+                raise ConnectionFailure(injected.error_message, error_labels=injected.error_labels)
+            raise OperationFailure(
+                injected.error_message,
+                code=injected.error_code,
+                details={"failPoint": "failCommand", "commandName": "commitTransaction"},
+                error_labels=injected.error_labels,
+            )
+        result: dict[str, object] = await original(self, context)
+        return result
+
+    handle_commit._lily_failpoints = True  # type: ignore[attr-defined]
+    WireSpecialCommandHandlers._handle_commit_transaction = handle_commit  # type: ignore[method-assign]
+
+
+async def serve(host: str = "127.0.0.1", port: int = 0, *, ready: asyncio.Event | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or forever); print ``READY <uri>`` once listening."""
+    from mongoeco.wire import AsyncMongoEcoProxyServer
+
+    _patch_commit_failpoints()
+    stop = stop or asyncio.Event()
+    async with AsyncMongoEcoProxyServer(host=host, port=port) as server:
+        print(f"READY {server.address.uri}", flush=True)
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry: run the embedded server until a signal arrives."""
+    parser = argparse.ArgumentParser(prog="python -m lily_mongo.embedded", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(args.host, args.port, stop=stop)
+
+    try:
+        asyncio.run(run())
+    except ModuleNotFoundError as exc:
+        print(f"the embedded server needs mongoeco[wire] (Python >= 3.13): {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+if __name__ == "__main__":
+    main()

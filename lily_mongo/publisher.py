@@ -1,0 +1,284 @@
+"""The typed publisher (SPEC section 2): MIME and every Lily header written together.
+
+Every publish is mandatory on a channel with publisher confirms; an unroutable,
+nacked or unconfirmed publish raises :class:`PublishError`. The same
+:func:`prepare_publication` builds what the outbox stores, so a message looks
+the same whether it was published directly or relayed.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import aio_pika
+import aio_pika.abc
+import orjson
+import pydantic
+
+from ._amqp import basic_publish
+from ._text import describe_value
+from .bounds import BOUNDS, utf8_len
+from .envelope import (
+    CONTENT_KIND_HEADER,
+    EVENT_ID_HEADER,
+    RETRY_COUNT_HEADER,
+    SCHEMA_VERSION_HEADER,
+    TRACEPARENT_HEADER,
+    TRACESTATE_HEADER,
+    check_content_kind,
+    is_canonical_uuid,
+    validate_envelope,
+)
+from .errors import ConfigError, EnvelopeError, LilyError
+
+__all__ = [
+    "BINARY",
+    "JSON",
+    "TEXT",
+    "CustomPublishContent",
+    "Publication",
+    "Publisher",
+    "encode_json",
+    "prepare_publication",
+]
+
+T = TypeVar("T")
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, pydantic.BaseModel):
+        return value.model_dump(mode="json")
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def encode_json(value: object) -> bytes:
+    """Encode a JSON payload with orjson; pydantic models are dumped in JSON mode."""
+    if isinstance(value, pydantic.BaseModel):
+        return value.model_dump_json().encode()
+    try:
+        return orjson.dumps(value, default=_json_default)
+    except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
+        raise ConfigError(f"payload is not JSON serializable: {exc}") from exc
+
+
+def _encode_text(value: str) -> bytes:
+    if not isinstance(value, str):
+        raise ConfigError(f"text payload must be a str, got {type(value).__name__}")
+    return value.encode("utf-8")
+
+
+def _encode_binary(value: bytes | bytearray | memoryview) -> bytes:
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise ConfigError(f"binary payload must be bytes, got {type(value).__name__}")
+    return bytes(value)
+
+
+@dataclass(frozen=True, slots=True)
+class CustomPublishContent(Generic[T]):
+    """A content contract: the ``x-lily-content-kind`` token, the MIME type and the encoder."""
+
+    kind: str
+    content_type: str
+    encode: Callable[[T], bytes]
+
+    def __post_init__(self) -> None:
+        problem = check_content_kind(self.kind)
+        if problem is not None:
+            raise ConfigError(f"CustomPublishContent.kind {problem}")
+        if not isinstance(self.content_type, str) or not self.content_type or utf8_len(self.content_type) > 255:
+            raise ConfigError(
+                f"CustomPublishContent.content_type must be 1..255 bytes, got {describe_value(self.content_type)}"
+            )
+
+
+JSON: CustomPublishContent[Any] = CustomPublishContent("json", "application/json", encode_json)
+TEXT: CustomPublishContent[str] = CustomPublishContent("text", "text/plain; charset=utf-8", _encode_text)
+BINARY: CustomPublishContent[bytes] = CustomPublishContent("binary", "application/octet-stream", _encode_binary)
+
+
+@dataclass(frozen=True, slots=True)
+class Publication:
+    """One fully prepared message: where it goes, its body and its canonical headers."""
+
+    exchange: str
+    routing_key: str
+    body: bytes
+    headers: dict[str, Any]
+    content_type: str
+    event_id: uuid.UUID
+
+
+def _check_name(field: str, value: object, *, allow_empty: bool) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{field} must be a string, got {describe_value(value)}")
+    size = utf8_len(value)
+    if (size == 0 and not allow_empty) or size > BOUNDS.name_max_bytes:
+        low = 0 if allow_empty else BOUNDS.name_min_bytes
+        raise ConfigError(f"{field} is {size} bytes, outside {low}..{BOUNDS.name_max_bytes} bytes")
+    return value
+
+
+def prepare_publication(
+    content: CustomPublishContent[T],
+    routing_key: str,
+    payload: T,
+    *,
+    version: int,
+    exchange: str = "",
+    event_id: uuid.UUID | str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    retry_count: int | None = None,
+    traceparent: str | None = None,
+    tracestate: str | None = None,
+    max_body: int = BOUNDS.queue_body_max,
+) -> Publication:
+    """Encode ``payload`` and build the canonical headers; raise :class:`ConfigError` on bad input.
+
+    The result is validated with the same :func:`validate_envelope` a consumer
+    runs, so nothing is published that a Lily consumer would reject.
+    """
+    _check_name("routing_key", routing_key, allow_empty=True)
+    _check_name("exchange", exchange, allow_empty=True)
+    if isinstance(version, bool) or not isinstance(version, int) or not (
+        BOUNDS.schema_version_min <= version <= BOUNDS.schema_version_max
+    ):
+        raise ConfigError(
+            f"version must be an integer {BOUNDS.schema_version_min}..{BOUNDS.schema_version_max}, "
+            f"got {describe_value(version)}"
+        )
+    if event_id is None:
+        event = uuid.uuid4()
+    elif isinstance(event_id, uuid.UUID):
+        event = event_id
+    elif is_canonical_uuid(event_id):
+        event = uuid.UUID(event_id)
+    else:
+        raise ConfigError(f"event_id must be a UUID or canonical UUID text, got {describe_value(event_id)}")
+    if event.int == 0:
+        raise ConfigError("event_id must not be the nil UUID")
+    body = content.encode(payload)
+    if not isinstance(body, bytes):
+        raise ConfigError(f"encoder for content kind {content.kind!r} returned {type(body).__name__}, not bytes")
+    table: dict[str, Any] = {}
+    if headers:
+        for key in headers:
+            if key.startswith("x-lily-") or key == RETRY_COUNT_HEADER:
+                raise ConfigError(f"headers may not set the reserved header {key!r}; use the keyword arguments")
+        table.update(headers)
+    table[EVENT_ID_HEADER] = str(event)
+    table[SCHEMA_VERSION_HEADER] = str(version)
+    table[CONTENT_KIND_HEADER] = content.kind
+    if retry_count is not None:
+        table[RETRY_COUNT_HEADER] = retry_count
+    if traceparent is not None:
+        table[TRACEPARENT_HEADER] = traceparent
+    if tracestate is not None:
+        table[TRACESTATE_HEADER] = tracestate
+    try:
+        validate_envelope(table, len(body), max_body=max_body)
+    except EnvelopeError as exc:
+        raise ConfigError(f"message would be rejected by consumers: {exc.code}: {exc.reason}") from exc
+    return Publication(exchange, routing_key, body, table, content.content_type, event)
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Publisher:
+    """Publishes typed messages with confirms; an async context manager.
+
+    Either give ``amqp_url`` (the publisher owns its connection) or an open
+    aio-pika ``channel`` created with ``publisher_confirms=True`` (caller-owned).
+    """
+
+    def __init__(
+        self,
+        amqp_url: str | None = None,
+        *,
+        channel: aio_pika.abc.AbstractChannel | None = None,
+        confirm_timeout: float = 10.0,
+    ) -> None:
+        if (amqp_url is None) == (channel is None):
+            raise ConfigError("Publisher needs exactly one of amqp_url or channel")
+        if not confirm_timeout > 0:
+            raise ConfigError(f"confirm_timeout must be > 0 seconds, got {confirm_timeout!r}")
+        self._url = amqp_url
+        self._channel = channel
+        self._connection: aio_pika.abc.AbstractConnection | None = None
+        self._confirm_timeout = confirm_timeout
+        self._state = _State.OPEN if channel is not None else _State.NEW
+
+    def __repr__(self) -> str:
+        return f"<Publisher state={self._state.value}>"
+
+    async def __aenter__(self) -> Publisher:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Connect (when built from a URL) and open a confirming channel."""
+        if self._state is _State.CLOSED:
+            raise LilyError("Publisher is closed and cannot be reopened")
+        if self._state is _State.OPEN:
+            return
+        assert self._url is not None
+        from ._connect import connect_amqp
+
+        self._connection = await connect_amqp(self._url)
+        try:
+            self._channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
+        except BaseException:
+            await self._connection.close()
+            raise
+        self._state = _State.OPEN
+
+    async def close(self) -> None:
+        """Close the connection if this publisher owns it; idempotent."""
+        self._state = _State.CLOSED
+        if self._connection is not None:
+            connection, self._connection = self._connection, None
+            await connection.close()
+
+    async def send(self, publication: Publication) -> uuid.UUID:
+        """Publish a prepared :class:`Publication` and wait for its confirm."""
+        if self._state is not _State.OPEN or self._channel is None:
+            raise LilyError(f"Publisher is {self._state.value}; open it first")
+        underlay = await self._channel.get_underlay_channel()
+        await basic_publish(
+            underlay,
+            exchange=publication.exchange,
+            routing_key=publication.routing_key,
+            body=publication.body,
+            headers=publication.headers,
+            content_type=publication.content_type,
+            timeout=self._confirm_timeout,
+        )
+        return publication.event_id
+
+    async def publish(
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, *, version: int, **options: Any
+    ) -> uuid.UUID:
+        """Publish ``payload`` with a custom content contract; return the event id."""
+        return await self.send(prepare_publication(content, routing_key, payload, version=version, **options))
+
+    async def publish_json(self, routing_key: str, payload: Any, *, version: int, **options: Any) -> uuid.UUID:
+        """Publish a JSON payload (content kind ``json``, ``application/json``)."""
+        return await self.publish(JSON, routing_key, payload, version=version, **options)
+
+    async def publish_text(self, routing_key: str, payload: str, *, version: int, **options: Any) -> uuid.UUID:
+        """Publish UTF-8 text (content kind ``text``, ``text/plain; charset=utf-8``)."""
+        return await self.publish(TEXT, routing_key, payload, version=version, **options)
+
+    async def publish_binary(self, routing_key: str, payload: bytes, *, version: int, **options: Any) -> uuid.UUID:
+        """Publish raw bytes (content kind ``binary``, ``application/octet-stream``)."""
+        return await self.publish(BINARY, routing_key, payload, version=version, **options)

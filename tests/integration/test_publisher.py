@@ -1,0 +1,49 @@
+"""The typed publisher against the real broker."""
+
+from __future__ import annotations
+
+import uuid
+
+import aio_pika.abc
+import pytest
+
+from lily_mongo import Publisher
+from lily_mongo.errors import PublishError
+from tests.support import BrokerNames, drain
+
+
+async def test_json_publish_arrives_with_canonical_headers(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    queue = names.queue("pub")
+    await amqp_channel.declare_queue(queue)
+    async with Publisher(amqp) as publisher:
+        event_id = await publisher.publish_json(queue, {"order": 7}, version=3)
+    [message] = await drain(amqp_channel, queue)
+    headers = message.headers
+    assert headers["x-lily-event-id"] == str(event_id)
+    assert headers["x-lily-schema-version"] == "3"
+    assert headers["x-lily-content-kind"] == "json"
+    assert message.content_type == "application/json"
+    assert message.body == b'{"order":7}'
+
+
+async def test_given_event_id_is_preserved(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    queue = names.queue("pub")
+    await amqp_channel.declare_queue(queue)
+    given = uuid.UUID("3f1c2a44-8b9d-4e6f-a1b2-c3d4e5f60718")
+    async with Publisher(amqp) as publisher:
+        returned = await publisher.publish_text(queue, "héllo", version=1, event_id=given)
+    assert returned == given
+    [message] = await drain(amqp_channel, queue)
+    assert message.headers["x-lily-event-id"] == "3f1c2a44-8b9d-4e6f-a1b2-c3d4e5f60718"
+    assert message.body == "héllo".encode()
+
+
+async def test_unroutable_publish_raises(amqp: str, names: BrokerNames) -> None:
+    async with Publisher(amqp) as publisher:
+        with pytest.raises(PublishError) as caught:
+            await publisher.publish_binary(names.queue("nowhere"), b"\x00", version=1)
+    assert caught.value.kind == "unroutable"

@@ -1,0 +1,158 @@
+"""Test helpers shared by the tiers: server processes, failpoints, broker inspection."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aio_pika
+import aio_pika.abc
+from pymongo import AsyncMongoClient
+
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+def amqp_url() -> str:
+    return os.environ.get("LILY_AMQP_URL", DEFAULT_AMQP_URL)
+
+
+class EmbeddedMongo:
+    """The mongoeco wire server in a subprocess on a free loopback port."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[str] | None = None
+        self.uri = ""
+
+    def start(self, timeout: float = 60.0) -> str:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "lily_mongo.embedded", "--port", "0"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + timeout
+        line = self.process.stdout.readline()
+        if not line.startswith("READY ") or time.monotonic() > deadline:
+            self.stop()
+            raise RuntimeError(f"embedded MongoDB-wire server did not start: {line!r}")
+        self.uri = line.split(None, 1)[1].strip()
+        return self.uri
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@dataclass
+class FailPoints:
+    """Sets ``configureFailPoint failCommand`` and always clears it afterwards."""
+
+    client: AsyncMongoClient[Any]
+    active: bool = False
+
+    async def set(
+        self,
+        commands: Iterable[str],
+        *,
+        times: int | None = 1,
+        error_code: int = 112,
+        labels: Iterable[str] = (),
+        close_connection: bool = False,
+        block_ms: int = 0,
+        message: str | None = None,
+    ) -> None:
+        data: dict[str, Any] = {"failCommands": list(commands), "errorCode": error_code}
+        if labels:
+            data["errorLabels"] = list(labels)
+        if close_connection:
+            data["closeConnection"] = True
+        if block_ms:
+            data["blockConnection"] = True
+            data["blockTimeMS"] = block_ms
+        if message:
+            data["errorMessage"] = message
+        mode: Any = "alwaysOn" if times is None else {"times": times}
+        await self.client.admin.command({"configureFailPoint": "failCommand", "mode": mode, "data": data})
+        self.active = True
+
+    async def clear(self) -> None:
+        await self.client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
+        self.active = False
+
+
+@dataclass
+class BrokerNames:
+    """Unique queue/exchange names per test, deleted (with derived names) afterwards."""
+
+    prefix: str = field(default_factory=lambda: f"lt.{uuid.uuid4().hex[:10]}")
+    queues: list[str] = field(default_factory=list)
+    exchanges: list[str] = field(default_factory=list)
+
+    def queue(self, base: str = "q") -> str:
+        name = f"{self.prefix}.{base}"
+        self.queues.append(name)
+        return name
+
+    def exchange(self, base: str = "x") -> str:
+        name = f"{self.prefix}.{base}"
+        self.exchanges.append(name)
+        return name
+
+    async def cleanup(self, connection: aio_pika.abc.AbstractConnection) -> None:
+        channel = await connection.channel()
+        try:
+            for queue in self.queues:
+                derived = [queue, f"{queue}.dlq", *(f"{queue}.retry.{n}" for n in range(32))]
+                for name in derived:
+                    await channel.queue_delete(name)
+                for name in (f"{queue}.dlx", f"{queue}.retry"):
+                    await channel.exchange_delete(name)
+            for name in self.exchanges:
+                await channel.exchange_delete(name)
+        finally:
+            await channel.close()
+
+
+async def queue_depth(channel: aio_pika.abc.AbstractChannel, name: str) -> int:
+    """Ready messages in ``name`` (passive declare: fails if the queue does not exist)."""
+    queue = await channel.declare_queue(name, passive=True)
+    count = queue.declaration_result.message_count
+    assert count is not None
+    return int(count)
+
+
+async def wait_for_depth(
+    channel: aio_pika.abc.AbstractChannel, name: str, expected: int, timeout: float = 15.0
+) -> int:
+    """Poll until ``name`` holds ``expected`` ready messages; return the last depth seen."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    depth = await queue_depth(channel, name)
+    while depth != expected and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+        depth = await queue_depth(channel, name)
+    return depth
+
+
+async def drain(channel: aio_pika.abc.AbstractChannel, name: str, limit: int = 1000) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    """Get (and ACK) every ready message of ``name``."""
+    queue = await channel.declare_queue(name, passive=True)
+    out: list[aio_pika.abc.AbstractIncomingMessage] = []
+    while len(out) < limit:
+        message = await queue.get(fail=False, no_ack=False)
+        if message is None:
+            break
+        await message.ack()
+        out.append(message)
+    return out
