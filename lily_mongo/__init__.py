@@ -1,4 +1,7 @@
-"""lily_mongo: RabbitMQ consumers whose handlers run once per event inside MongoDB transactions."""
+"""lily_mongo: RabbitMQ consumers whose handlers run once per event inside MongoDB transactions.
+
+The public surface (SPEC section 7); implementation modules may change.
+"""
 
 from __future__ import annotations
 
@@ -13,18 +16,47 @@ from .errors import (
     ScopeClosedError,
     TransportError,
 )
+from .extractors import Bytes, EventId, Extractor, Json, RawDelivery, Redelivered, RetryCount, Text
+from .inbox import InboxOptions, MongoScope
+from .lifecycle import Consumer, ManagedConsumer, ShutdownAction, ShutdownReport
+from .observe import QueueSnapshot, Snapshot, TerminalObservation
+from .outbox import RelayOptions
+from .plan import QueueOptions, RetryPolicy, queue
 from .publisher import CustomPublishContent, Publisher
+from .runtime import DeliveryContext
 
 __all__ = [
+    "Bytes",
     "ConfigError",
+    "Consumer",
     "CustomPublishContent",
+    "DeliveryContext",
     "EnvelopeError",
     "ErrorCode",
+    "EventId",
+    "Extractor",
+    "InboxOptions",
+    "Json",
     "LilyError",
+    "ManagedConsumer",
+    "MongoScope",
     "PlanError",
     "PublishError",
     "Publisher",
     "QueueHandlerError",
+    "QueueOptions",
+    "QueueSnapshot",
+    "RawDelivery",
+    "Redelivered",
+    "RelayOptions",
+    "RetryCount",
+    "RetryPolicy",
     "ScopeClosedError",
+    "ShutdownAction",
+    "ShutdownReport",
+    "Snapshot",
+    "TerminalObservation",
+    "Text",
     "TransportError",
+    "queue",
 ]

@@ -29,6 +29,7 @@ __all__ = [
     "TRACESTATE_HEADER",
     "check_content_kind",
     "is_canonical_uuid",
+    "sanitize_headers",
     "validate_envelope",
 ]
 
@@ -276,3 +277,43 @@ def validate_envelope(
         traceparent=traceparent,
         tracestate=tracestate,
     )
+
+
+def sanitize_headers(headers: Mapping[str, object] | None) -> tuple[dict[str, object], int]:
+    """The headers that fit every metadata bound on their own, for a handoff copy.
+
+    Used when building retry/DLQ copies (SPEC section 3): a header that breaks a
+    bound (or would push the aggregate past its bound) is dropped rather than
+    echoed; returns the kept headers and how many were dropped.
+    """
+    kept: dict[str, object] = {}
+    dropped = 0
+    if not isinstance(headers, Mapping):
+        return kept, 0
+    allowed = BOUNDS.metadata_aggregate_bytes - BOUNDS.handoff_reserve_bytes
+    room_entries = BOUNDS.header_entries - _HANDOFF_KEYS_COUNT
+    aggregate = 0
+    walk = _Walk()
+    for key, value in headers.items():
+        if key in HANDOFF_HEADER_KEYS and key != RETRY_COUNT_HEADER:
+            continue
+        if not isinstance(key, str) or not 0 < utf8_len(key) <= BOUNDS.header_key_bytes:
+            dropped += 1
+            continue
+        if key == RETRY_COUNT_HEADER:
+            kept[key] = value
+            continue
+        before = walk.elements
+        try:
+            size = walk.size(key, value, 0)
+        except EnvelopeError:
+            walk.elements = before
+            dropped += 1
+            continue
+        if size > BOUNDS.header_value_bytes or aggregate + utf8_len(key) + size > allowed or len(kept) >= room_entries:
+            walk.elements = before
+            dropped += 1
+            continue
+        aggregate += utf8_len(key) + size
+        kept[key] = value
+    return kept, dropped

@@ -1,0 +1,230 @@
+"""Handler parameters: what a handler can ask for, resolved once at plan time.
+
+A handler declares what it needs through annotations::
+
+    async def on_order(order: Json[Order], event_id: EventId, mongo: MongoScope) -> None
+
+``Json[T]``, ``Text`` and ``Bytes`` are *terminal* extractors: they decode the
+body, and a handler has at most one. The rest read bounded metadata. An
+application adds its own with ``Annotated[T, MyExtractor()]`` where
+``MyExtractor`` subclasses :class:`Extractor`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import orjson
+import pydantic
+
+from .errors import PlanError
+
+if TYPE_CHECKING:
+    from .envelope import Envelope
+
+__all__ = [
+    "Bytes",
+    "EventId",
+    "Extractor",
+    "Json",
+    "RawDelivery",
+    "Redelivered",
+    "RetryCount",
+    "Text",
+    "resolve_parameters",
+]
+
+T = TypeVar("T")
+
+
+class PayloadDecodeError(Exception):
+    """A terminal extractor could not decode the body (mapped to QUEUE_PAYLOAD_DECODE_FAILED)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RawDelivery:
+    """A read-only view of one delivery: metadata and body, never a channel or an ACK handle."""
+
+    queue: str
+    headers: Mapping[str, Any]
+    body: bytes
+    content_type: str | None
+    redelivered: bool
+    envelope: Envelope
+    routing_key: str
+    exchange: str
+
+    def __repr__(self) -> str:
+        return f"<RawDelivery queue={self.queue!r} body={len(self.body)} bytes>"
+
+
+class Extractor:
+    """Base class for parameter extractors; subclass it for application extractors.
+
+    Set ``terminal = True`` when the extractor decodes the body: its failures
+    become permanent ``QUEUE_PAYLOAD_DECODE_FAILED`` rejections.
+    """
+
+    terminal: bool = False
+
+    def bind(self, annotation: Any) -> Extractor:
+        """Called once at plan time with the parameter's base type; return the bound extractor."""
+        return self
+
+    def extract(self, delivery: RawDelivery) -> Any:
+        """Produce the argument for one delivery."""
+        raise NotImplementedError
+
+
+class _JsonExtractor(Extractor):
+    terminal = True
+
+    def __init__(self, adapter: pydantic.TypeAdapter[Any] | None = None) -> None:
+        self._adapter = adapter
+
+    def bind(self, annotation: Any) -> Extractor:
+        try:
+            return _JsonExtractor(pydantic.TypeAdapter(annotation))
+        except pydantic.PydanticSchemaGenerationError as exc:
+            raise PlanError(f"Json[{annotation!r}] has no pydantic schema: {exc}") from exc
+
+    def extract(self, delivery: RawDelivery) -> Any:
+        assert self._adapter is not None
+        try:
+            return self._adapter.validate_python(orjson.loads(delivery.body))
+        except orjson.JSONDecodeError as exc:
+            raise PayloadDecodeError(f"body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+        except pydantic.ValidationError as exc:
+            first = exc.errors(include_url=False, include_input=False)[:3]
+            where = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in first)
+            raise PayloadDecodeError(f"{exc.error_count()} validation error(s): {where}") from None
+
+
+class _TextExtractor(Extractor):
+    terminal = True
+
+    def extract(self, delivery: RawDelivery) -> str:
+        try:
+            return delivery.body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PayloadDecodeError(f"body is not UTF-8 (byte {exc.start})") from None
+
+
+class _BytesExtractor(Extractor):
+    terminal = True
+
+    def extract(self, delivery: RawDelivery) -> bytes:
+        return delivery.body
+
+
+class _EventIdExtractor(Extractor):
+    def extract(self, delivery: RawDelivery) -> uuid.UUID:
+        return delivery.envelope.event_id
+
+
+class _RetryCountExtractor(Extractor):
+    def extract(self, delivery: RawDelivery) -> int:
+        return delivery.envelope.retry_count
+
+
+class _RedeliveredExtractor(Extractor):
+    def extract(self, delivery: RawDelivery) -> bool:
+        return delivery.redelivered
+
+
+class _RawDeliveryExtractor(Extractor):
+    def extract(self, delivery: RawDelivery) -> RawDelivery:
+        return delivery
+
+
+Json = Annotated[T, _JsonExtractor()]
+"""``Json[Model]``: the body decoded with orjson and validated by pydantic."""
+Text = Annotated[str, _TextExtractor()]
+"""The body decoded as UTF-8."""
+Bytes = Annotated[bytes, _BytesExtractor()]
+"""The raw body."""
+EventId = Annotated[uuid.UUID, _EventIdExtractor()]
+"""The event id (preserved across retries, DLQ and replays)."""
+RetryCount = Annotated[int, _RetryCountExtractor()]
+"""The framework's application retry count (``x-retry-count``)."""
+Redelivered = Annotated[bool, _RedeliveredExtractor()]
+"""The broker's ``redelivered`` flag: says nothing about an earlier commit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Parameter:
+    """One resolved handler parameter."""
+
+    name: str
+    extractor: Extractor | None  # None: the attempt's MongoScope
+    keyword_only: bool
+
+
+def _unwrap(annotation: Any) -> tuple[Any, list[Any]]:
+    if typing.get_origin(annotation) is Annotated:
+        base, *extras = typing.get_args(annotation)
+        return base, extras
+    return annotation, []
+
+
+def resolve_parameters(
+    fn: Callable[..., Any], *, where: str, scope_type: type, max_parameters: int
+) -> tuple[Parameter, ...]:
+    """Resolve every parameter of ``fn`` to an extractor, once, at plan time."""
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except Exception as exc:  # NameError for unresolvable forward references, and the like
+        raise PlanError(f"{where}: cannot resolve parameter annotations: {exc}") from exc
+    signature = inspect.signature(fn)
+    params = list(signature.parameters.values())
+    if len(params) > max_parameters:
+        raise PlanError(f"{where}: {len(params)} parameters, over the bound of {max_parameters}")
+    resolved: list[Parameter] = []
+    terminals: list[str] = []
+    for param in params:
+        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            raise PlanError(f"{where}: parameter {param.name!r} (*args/**kwargs) cannot be injected")
+        if param.kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise PlanError(f"{where}: parameter {param.name!r} is positional-only")
+        annotation = hints.get(param.name, inspect.Parameter.empty)
+        if annotation is inspect.Parameter.empty:
+            raise PlanError(f"{where}: parameter {param.name!r} has no annotation to inject from")
+        base, extras = _unwrap(annotation)
+        extractor_marks = [e for e in extras if isinstance(e, Extractor)]
+        if len(extractor_marks) > 1:
+            raise PlanError(f"{where}: parameter {param.name!r} has {len(extractor_marks)} extractors")
+        keyword_only = param.kind is inspect.Parameter.KEYWORD_ONLY
+        if extractor_marks:
+            bound = extractor_marks[0].bind(base)
+            if bound.terminal:
+                terminals.append(param.name)
+            resolved.append(Parameter(param.name, bound, keyword_only))
+        elif isinstance(base, type) and issubclass(base, scope_type):
+            resolved.append(Parameter(param.name, None, keyword_only))
+        elif base is RawDelivery:
+            resolved.append(Parameter(param.name, _RawDeliveryExtractor(), keyword_only))
+        else:
+            shown = getattr(base, "__name__", None) or repr(base)
+            raise PlanError(
+                f"{where}: parameter {param.name!r} of type {shown} is not injectable; use Json[T], Text, "
+                "Bytes, EventId, RetryCount, Redelivered, RawDelivery, MongoScope or Annotated[T, Extractor()]"
+            )
+    if len(terminals) > 1:
+        raise PlanError(
+            f"{where}: {len(terminals)} terminal payload extractors ({', '.join(terminals)}), over the bound of 1"
+        )
+    return tuple(resolved)
+
+
+def is_coroutine_function(fn: object) -> bool:
+    """True for ``async def`` functions (and callables whose ``__call__`` is one)."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(fn, "__call__", None)  # noqa: B004
+    return call is not None and not isinstance(fn, types.FunctionType) and inspect.iscoroutinefunction(call)

@@ -1,0 +1,486 @@
+"""The consumer, its supervisor, and shutdown (SPEC section 6).
+
+:class:`Consumer` collects the plan; :meth:`Consumer.start` declares the
+topology, attaches consumers and returns a :class:`ManagedConsumer` whose
+supervisor task owns every resource and every task until shutdown completes.
+
+Cancellation rules:
+
+* cancelling the task awaiting :meth:`Consumer.start` tears down whatever had
+  started, then the cancellation propagates;
+* cancelling the task awaiting :meth:`Consumer.run` (or
+  :meth:`Consumer.run_with_cancellation`) requests a graceful shutdown, waits
+  for it to complete, then propagates;
+* cancelling :meth:`ManagedConsumer.wait` or :meth:`ManagedConsumer.shutdown`
+  only stops that waiter: the supervisor goes on and can be awaited again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import aio_pika.abc
+
+from ._connect import connect_amqp, redact_url
+from .errors import ConfigError, LilyError
+from .observe import Snapshot, TerminalObservation
+from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions
+from .runtime import Runtime, TaskSet
+from .settlement import Terminal
+from .topology import declare_topology
+
+if TYPE_CHECKING:
+    from pymongo import AsyncMongoClient
+
+    from .inbox import Inbox, InboxOptions
+
+__all__ = ["Consumer", "ManagedConsumer", "ShutdownAction", "ShutdownReport"]
+
+log = logging.getLogger("lily_mongo")
+T = TypeVar("T")
+
+
+class State(enum.Enum):
+    """Lifecycle states of a consumer; a consumer starts once."""
+
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    DRAINING = "draining"
+    FORCING = "forcing"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownAction:
+    """One shutdown step: did it return OK, was the dependency's termination observed."""
+
+    name: str
+    ok: bool
+    observed: bool
+    error: str | None = None
+    duration: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownReport:
+    """What shutdown did. ``succeeded`` only if every step returned OK, every
+    termination was observed and no delivery was left unresolved."""
+
+    actions: tuple[ShutdownAction, ...]
+    settled: Mapping[str, int]
+    unresolved: int
+    forced: bool
+    succeeded: bool
+
+    def action(self, name: str) -> ShutdownAction:
+        """The action called ``name`` (KeyError if the shutdown did not run it)."""
+        for action in self.actions:
+            if action.name == name:
+                return action
+        raise KeyError(name)
+
+    def render(self) -> str:
+        """A human-readable multi-line summary (no endpoints, no credentials)."""
+        lines = [f"shutdown {'succeeded' if self.succeeded else 'FAILED'}"
+                 f"{' (forced)' if self.forced else ''}; unresolved deliveries: {self.unresolved}"]
+        for a in self.actions:
+            status = ("ok" if a.ok else "error") + (", terminated" if a.observed else ", termination NOT observed")
+            lines.append(f"  {a.name:<18} {status} ({a.duration:.3f} s){': ' + a.error if a.error else ''}")
+        if self.settled:
+            lines.append("  settled during shutdown: " + ", ".join(f"{k}={v}" for k, v in sorted(self.settled.items())))
+        return "\n".join(lines)
+
+
+class _Steps:
+    def __init__(self) -> None:
+        self.actions: list[ShutdownAction] = []
+
+    async def run(self, name: str, step: Callable[[], Awaitable[bool]]) -> bool:
+        started = time.monotonic()
+        try:
+            observed = await step()
+        except Exception as exc:
+            self.actions.append(ShutdownAction(name, False, False, f"{type(exc).__name__}: {exc}"[:300],
+                                               time.monotonic() - started))
+            return False
+        self.actions.append(ShutdownAction(name, True, observed, None, time.monotonic() - started))
+        return observed
+
+
+class Consumer:
+    """A RabbitMQ consumer whose handlers may run in MongoDB transactions (SPEC section 7).
+
+    ``mongo_client`` is caller-owned unless ``owns_mongo_client=True``; it is
+    never closed otherwise. ``database`` holds the inbox, lease and outbox
+    collections and is what ``MongoScope.database`` returns.
+    """
+
+    def __init__(
+        self,
+        *,
+        amqp_url: str,
+        name: str,
+        mongo_client: AsyncMongoClient[Any] | None = None,
+        database: str | None = None,
+        confirm_timeout: float = 10.0,
+        graceful_timeout: float = 30.0,
+        force_timeout: float = 5.0,
+        inbox: InboxOptions | None = None,
+        owns_mongo_client: bool = False,
+    ) -> None:
+        if not isinstance(amqp_url, str) or not amqp_url:
+            raise ConfigError("amqp_url must be a non-empty AMQP URL")
+        if mongo_client is not None and not database:
+            raise ConfigError("database is required when a mongo_client is given")
+        for field_name, value in (("confirm_timeout", confirm_timeout), ("graceful_timeout", graceful_timeout),
+                                  ("force_timeout", force_timeout)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
+                raise ConfigError(f"{field_name} must be > 0 and <= 3600 seconds, got {value!r}")
+        self._amqp_url = amqp_url
+        self._mongo_client = mongo_client
+        self._database = database
+        self._confirm_timeout = float(confirm_timeout)
+        self._graceful_timeout = float(graceful_timeout)
+        self._force_timeout = float(force_timeout)
+        self._inbox_options = inbox
+        self._owns_mongo_client = owns_mongo_client
+        self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
+        self._state = State.NEW
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<Consumer name={self.name!r} amqp={redact_url(self._amqp_url)!r} state={self._state.value}>"
+
+    def configure_queue(self, name: str, **options: Any) -> QueueOptions:
+        """Set a physical queue's options (see :class:`QueueOptions`); bounds checked now."""
+        self._require_new()
+        queue_options = QueueOptions(name=name, **options)
+        self._builder.configure_queue(queue_options)
+        return queue_options
+
+    def include(self, *handlers: Callable[..., Awaitable[None]]) -> None:
+        """Link ``@queue`` handlers into the plan."""
+        self._require_new()
+        for handler in handlers:
+            self._builder.include(handler)
+
+    def use(self, middleware: Middleware) -> None:
+        """Add consumer-wide middleware (outermost first)."""
+        self._require_new()
+        self._builder.middleware.append(middleware)
+
+    def guard(self, guard: Guard) -> None:
+        """Add a consumer-wide guard (runs before every handler)."""
+        self._require_new()
+        self._builder.guards.append(guard)
+
+    def plan(self) -> Plan:
+        """Check the registrations against every bound and return the plan."""
+        from .inbox import MongoScope
+
+        return self._builder.build(MongoScope)
+
+    def _require_new(self) -> None:
+        if self._state is not State.NEW:
+            raise ConfigError(f"the consumer is {self._state.value}; configure it before start()")
+
+    async def start(self) -> ManagedConsumer:
+        """Declare the topology, prepare the inbox and attach consumers; return the running consumer."""
+        self._require_new()
+        plan = self.plan()
+        self._state = State.STARTING
+        managed = ManagedConsumer(self, plan)
+        try:
+            await managed._start()
+        except BaseException:
+            # Cancelled or failed mid-start: tear down what started before propagating.
+            await _uncancellable(managed._teardown_after_failed_start())
+            self._state = State.STOPPED
+            raise
+        self._state = State.RUNNING
+        return managed
+
+    async def run(self) -> ShutdownReport:
+        """Run until the awaiting task is cancelled; then shut down gracefully and re-raise."""
+        return await self.run_with_cancellation(asyncio.Event())
+
+    async def run_with_cancellation(self, event: asyncio.Event) -> ShutdownReport:
+        """Run until ``event`` is set (graceful shutdown) or the awaiting task is cancelled."""
+        managed = await self.start()
+        waiter = asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait({waiter, managed._supervisor}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await _uncancellable(managed.shutdown())
+            raise
+        finally:
+            waiter.cancel()
+        return await managed.shutdown()
+
+
+async def _uncancellable(awaitable: Awaitable[T]) -> T:
+    """Await to completion even if the awaiting task is cancelled meanwhile; re-deliver the cancel after."""
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+            continue
+        if cancelled:
+            current = asyncio.current_task()
+            if current is not None:
+                current.cancel()
+        return result
+
+
+class ManagedConsumer:
+    """A started consumer. Its supervisor owns cleanup; waiters only observe."""
+
+    def __init__(self, consumer: Consumer, plan: Plan) -> None:
+        self._consumer = consumer
+        self.plan = plan
+        self._tasks = TaskSet()
+        self._connection: aio_pika.abc.AbstractConnection | None = None
+        self._runtime: Runtime | None = None
+        self._inbox: Inbox | None = None
+        self._state = State.STARTING
+        self._stop_requested = asyncio.Event()
+        self._force_requested = asyncio.Event()
+        self._graceful_timeout = consumer._graceful_timeout
+        self._force_timeout = consumer._force_timeout
+        self._supervisor: asyncio.Task[ShutdownReport] = asyncio.get_running_loop().create_future()  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<ManagedConsumer name={self._consumer.name!r} state={self._state.value}>"
+
+    @property
+    def state(self) -> str:
+        """The lifecycle state: starting, running, draining, forcing or stopped."""
+        return self._state.value
+
+    async def _start(self) -> None:
+        consumer = self._consumer
+        self._connection = await connect_amqp(consumer._amqp_url)
+        for options in self.plan.queues.values():
+            await declare_topology(self._connection, options)
+        if consumer._mongo_client is not None:
+            from .inbox import Inbox, InboxOptions
+
+            assert consumer._database is not None
+            self._inbox = Inbox(
+                consumer._mongo_client,
+                consumer._database,
+                consumer._inbox_options or InboxOptions(),
+                owner_prefix=consumer.name,
+                tasks=self._tasks,
+                uses_inbox=self.plan.uses_inbox,
+            )
+            await self._inbox.prepare()
+        self._runtime = Runtime(
+            self.plan, self._connection, self._tasks, inbox=self._inbox, confirm_timeout=consumer._confirm_timeout
+        )
+        if isinstance(self._connection, aio_pika.abc.AbstractRobustConnection):
+            runtime = self._runtime
+            self._connection.reconnect_callbacks.add(lambda *_: runtime.on_reconnect())
+        await self._runtime.start()
+        if self._inbox is not None:
+            await self._inbox.start_relay(self._connection, consumer._confirm_timeout)
+        self._state = State.RUNNING
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="lily-supervisor")
+
+    async def _teardown_after_failed_start(self) -> None:
+        if self._runtime is not None:
+            self._runtime.accepting = False
+            await self._runtime.stop_intake()
+        if self._inbox is not None:
+            await self._inbox.stop_relay(1.0)
+        for task in self._tasks.pending():
+            task.cancel()
+        await self._tasks.join(self._tasks.pending(), 5.0)
+        if self._connection is not None:
+            await self._connection.close()
+        if self._consumer._owns_mongo_client and self._consumer._mongo_client is not None:
+            await self._consumer._mongo_client.close()
+        self._state = State.STOPPED
+
+    # -- observers ----------------------------------------------------------------------
+
+    async def wait(self) -> ShutdownReport:
+        """Wait for the supervisor to finish; cancelling this waiter stops nothing."""
+        return await asyncio.shield(self._supervisor)
+
+    async def shutdown(self, *, force: bool = False) -> ShutdownReport:
+        """Request a graceful (or, with ``force``, an immediate forced) shutdown and wait for its report.
+
+        Cancelling the task awaiting this does not cancel the supervisor.
+        """
+        self._stop_requested.set()
+        if force:
+            self._force_requested.set()
+        return await asyncio.shield(self._supervisor)
+
+    def request_shutdown(self) -> None:
+        """Ask for a graceful shutdown without waiting (e.g. from a signal handler)."""
+        self._stop_requested.set()
+
+    def request_force(self) -> None:
+        """Escalate to a forced shutdown without waiting (e.g. on a second signal)."""
+        self._stop_requested.set()
+        self._force_requested.set()
+
+    def install_signal_handlers(self, loop: asyncio.AbstractEventLoop | None = None) -> Callable[[], None]:
+        """SIGTERM/SIGINT: first → graceful shutdown, second → force. Returns an uninstaller."""
+        loop = loop or asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if self._stop_requested.is_set():
+                self.request_force()
+            else:
+                self.request_shutdown()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+
+        def uninstall() -> None:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+        return uninstall
+
+    def snapshot(self) -> Snapshot:
+        """Bounded aggregate state: counts only, never payloads, ids, names or endpoints."""
+        runtime = self._runtime
+        outbox = self._inbox.outbox_counts() if self._inbox is not None else (None, None, 0)
+        return Snapshot(
+            state=self._state.value,
+            transport_generation=runtime.generation if runtime else 0,
+            queues=runtime.snapshots() if runtime else (),
+            outbox_pending=outbox[0],
+            outbox_failed=outbox[1],
+            outbox_published=outbox[2],
+        )
+
+    def delivery_terminal_observations(self) -> tuple[TerminalObservation, ...]:
+        """The last <= 4096 terminal outcomes, oldest first (may include event ids)."""
+        return self._runtime.observations.items() if self._runtime else ()
+
+    # -- the supervisor -----------------------------------------------------------------
+
+    async def _supervise(self) -> ShutdownReport:
+        await self._stop_requested.wait()
+        return await self._shutdown_sequence()
+
+    async def _shutdown_sequence(self) -> ShutdownReport:
+        runtime = self._runtime
+        assert runtime is not None and self._connection is not None
+        steps = _Steps()
+        runtime.shutting_down = True
+        self._state = State.DRAINING
+
+        async def stop_intake() -> bool:
+            errors = await runtime.stop_intake()
+            if errors:
+                raise LilyError(f"{len(errors)} consumer cancellation(s) failed: {type(errors[0]).__name__}")
+            return True
+
+        await steps.run("stop_intake", stop_intake)
+
+        async def drain() -> bool:
+            wait_for = asyncio.ensure_future(self._force_requested.wait())
+            try:
+                deadline = time.monotonic() + self._graceful_timeout
+                while runtime.delivery_tasks and not self._force_requested.is_set():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    await asyncio.wait({*runtime.delivery_tasks, wait_for}, timeout=remaining,
+                                       return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                wait_for.cancel()
+            return not runtime.delivery_tasks
+
+        forced = not await steps.run("drain", drain)
+        if forced:
+            self._state = State.FORCING
+
+            async def force() -> bool:
+                # The notice: cancel handler executions, but keep settlement authority
+                # for a cooperative window so work finishing now may still ACK.
+                for task in list(runtime.execution_tasks):
+                    task.cancel()
+                pending = await self._tasks.join(set(runtime.delivery_tasks), self._force_timeout)
+                # Then revoke authority and cancel what is left; observe the joins.
+                runtime.revoked = True
+                for task in pending:
+                    task.cancel()
+                still = await self._tasks.join(pending | set(runtime.execution_tasks), self._force_timeout)
+                return not still
+
+            await steps.run("force", force)
+        if self._inbox is not None:
+            inbox = self._inbox
+
+            async def relay_stop() -> bool:
+                return await inbox.stop_relay(self._force_timeout)
+
+            await steps.run("relay_stop", relay_stop)
+
+        async def channels_close() -> bool:
+            channels = [qr.channel for qr in runtime.queues.values() if qr.channel is not None]
+            if runtime.handoff_channel is not None:
+                channels.append(runtime.handoff_channel)
+            for channel in channels:
+                if not channel.is_closed:
+                    await channel.close()
+            return all(channel.is_closed for channel in channels)
+
+        await steps.run("channel_close", channels_close)
+        connection = self._connection
+
+        async def connection_close() -> bool:
+            await connection.close()
+            return bool(connection.is_closed)
+
+        await steps.run("connection_close", connection_close)
+        leftovers = self._tasks.pending()
+        if leftovers:
+            for task in leftovers:
+                task.cancel()
+            await self._tasks.join(leftovers, self._force_timeout)
+        consumer = self._consumer
+        if consumer._owns_mongo_client and consumer._mongo_client is not None:
+            client = consumer._mongo_client
+
+            async def mongo_close() -> bool:
+                await client.close()
+                return True
+
+            await steps.run("mongo_client_close", mongo_close)
+        settled: collections.Counter[str] = runtime.settled_during_shutdown
+        unresolved = settled.get(Terminal.UNRESOLVED.value, 0)
+        self._state = State.STOPPED
+        consumer._state = State.STOPPED
+        succeeded = unresolved == 0 and all(a.ok and a.observed for a in steps.actions if a.name not in ("drain",))
+        return ShutdownReport(
+            actions=tuple(steps.actions),
+            settled=MappingProxyType(dict(settled)),
+            unresolved=unresolved,
+            forced=forced,
+            succeeded=succeeded,
+        )
+
+

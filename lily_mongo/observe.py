@@ -1,0 +1,99 @@
+"""Operational snapshots and terminal observations (SPEC section 6).
+
+:class:`QueueSnapshot` and :class:`Snapshot` are bounded aggregates: counts
+only, never payloads, event ids, routing keys, endpoints or credentials.
+Queues are named by their position in the plan (``queue_index``), not by name.
+:class:`TerminalObservation` is the separate diagnostic record of how one
+delivery ended; it may carry the event id.
+"""
+
+from __future__ import annotations
+
+import collections
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .bounds import BOUNDS
+
+__all__ = ["ObservationLog", "QueueCounters", "QueueSnapshot", "Snapshot", "TerminalObservation"]
+
+
+@dataclass(frozen=True, slots=True)
+class TerminalObservation:
+    """How one delivery ended, with the evidence behind it."""
+
+    queue: str
+    handler_id: str | None
+    event_id: uuid.UUID | None
+    outcome: str  # a settlement.Terminal value
+    code: str | None
+    reason: str
+    handoff_confirmed: bool
+    ack_sent: bool
+    broker_native: bool
+    attempts: int
+    transient_replays: int
+    reconciliations: int
+    received_at: float  # wall-clock epoch seconds
+    duration: float  # seconds from receipt to the terminal step
+
+
+class ObservationLog:
+    """The last :data:`BOUNDS.terminal_observations` terminal outcomes, oldest first."""
+
+    def __init__(self, capacity: int = BOUNDS.terminal_observations) -> None:
+        self._items: collections.deque[TerminalObservation] = collections.deque(maxlen=capacity)
+
+    def append(self, observation: TerminalObservation) -> None:
+        self._items.append(observation)
+
+    def items(self) -> tuple[TerminalObservation, ...]:
+        return tuple(self._items)
+
+
+@dataclass(slots=True)
+class QueueCounters:
+    """Mutable per-queue counters owned by the runtime (aggregates only)."""
+
+    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+    transient_replays: int = 0
+    reconciliations: int = 0
+    deferrals: int = 0
+    unresolved: int = 0
+    abandoned: int = 0
+    received: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSnapshot:
+    """One queue's bounded aggregate state."""
+
+    queue_index: int
+    permits: int
+    in_flight: int
+    buffered: int
+    outcomes: Mapping[str, int]
+    received: int
+    transient_replays: int
+    reconciliations: int
+    deferrals: int
+    unresolved: int
+    abandoned: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The consumer's bounded aggregate state: lifecycle, transport, queues, outbox."""
+
+    state: str
+    transport_generation: int
+    queues: tuple[QueueSnapshot, ...]
+    outbox_pending: int | None
+    outbox_failed: int | None
+    outbox_published: int
+
+    @staticmethod
+    def freeze(counts: collections.Counter[str]) -> Mapping[str, int]:
+        return MappingProxyType(dict(counts))

@@ -1,0 +1,239 @@
+"""The transactional outbox and its relay (SPEC section 5).
+
+Handlers write outgoing messages with ``mongo.outbox.publish_json(...)``: the
+record is inserted in the attempt's transaction, so it commits (or not)
+together with the handler's writes and the inbox completion record. The
+relay claims pending records with a lease on the server clock, publishes them
+mandatory with confirms, and marks them published (TTL retention). Several
+relays (one per consumer process) may run at once: a record is published by
+the holder of its claim, and downstream consumers deduplicate by event id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import random
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from bson import Binary
+from pymongo import ReturnDocument
+from pymongo.errors import PyMongoError
+
+from ._amqp import basic_publish
+from .errors import PublishError, ScopeClosedError
+from .publisher import BINARY, JSON, TEXT, CustomPublishContent, prepare_publication
+
+if TYPE_CHECKING:
+    import aio_pika.abc
+    from pymongo.asynchronous.client_session import AsyncClientSession
+    from pymongo.asynchronous.collection import AsyncCollection
+
+__all__ = ["Outbox", "OutboxRelay", "RelayOptions"]
+
+log = logging.getLogger("lily_mongo")
+T = TypeVar("T")
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+
+
+def utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+class Outbox:
+    """Outgoing messages of one attempt, written in its transaction. Valid for that attempt only."""
+
+    __slots__ = ("_collection", "_handler_id", "_is_open", "_max_body", "_session", "written")
+
+    def __init__(
+        self,
+        collection: AsyncCollection[Any],
+        session: AsyncClientSession,
+        *,
+        handler_id: str,
+        max_body: int,
+        is_open: Callable[[], bool],
+    ) -> None:
+        self._collection = collection
+        self._session = session
+        self._handler_id = handler_id
+        self._max_body = max_body
+        self._is_open = is_open
+        self.written = 0
+
+    def __repr__(self) -> str:
+        return f"<Outbox written={self.written} open={self._is_open()}>"
+
+    async def publish(
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, *, version: int, **options: Any
+    ) -> uuid.UUID:
+        """Stage a message with a custom content contract; it is published after the commit."""
+        if not self._is_open():
+            raise ScopeClosedError("the outbox of a finished attempt cannot be used")
+        publication = prepare_publication(
+            content, routing_key, payload, version=version, max_body=self._max_body, **options
+        )
+        now = utcnow()
+        await self._collection.insert_one(
+            {
+                "_id": uuid.uuid4().hex,
+                "event_id": str(publication.event_id),
+                "exchange": publication.exchange,
+                "routing_key": publication.routing_key,
+                "body": Binary(publication.body),
+                "headers": publication.headers,
+                "content_type": publication.content_type,
+                "handler": self._handler_id,
+                "status": "pending",
+                "attempts": 0,
+                "created_at": now,
+                "available_at": now,
+            },
+            session=self._session,
+        )
+        self.written += 1
+        return publication.event_id
+
+    async def publish_json(self, routing_key: str, payload: Any, *, version: int, **options: Any) -> uuid.UUID:
+        """Stage a JSON message (content kind ``json``)."""
+        return await self.publish(JSON, routing_key, payload, version=version, **options)
+
+    async def publish_text(self, routing_key: str, payload: str, *, version: int, **options: Any) -> uuid.UUID:
+        """Stage a UTF-8 text message (content kind ``text``)."""
+        return await self.publish(TEXT, routing_key, payload, version=version, **options)
+
+    async def publish_binary(self, routing_key: str, payload: bytes, *, version: int, **options: Any) -> uuid.UUID:
+        """Stage a binary message (content kind ``binary``)."""
+        return await self.publish(BINARY, routing_key, payload, version=version, **options)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayOptions:
+    """How the outbox relay claims, publishes and retries records."""
+
+    poll_interval: float = 1.0
+    claim_seconds: float = 30.0
+    max_attempts: int = 10
+    backoff_base: float = 0.5
+    backoff_max: float = 60.0
+    published_retention: float = 7 * 24 * 3600.0
+
+
+class OutboxRelay:
+    """Publishes committed outbox records; one per consumer, owned by its supervisor."""
+
+    def __init__(self, collection: AsyncCollection[Any], options: RelayOptions, owner: str) -> None:
+        self._collection = collection
+        self._options = options
+        self._owner = owner
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._in_publish = False
+        self.pending: int | None = None
+        self.failed: int | None = None
+        self.published = 0
+
+    def wake(self) -> None:
+        """Run a relay pass now (called right after a commit that wrote outbox records)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    async def run(self, channel: aio_pika.abc.AbstractChannel, confirm_timeout: float) -> None:
+        """Relay until stopped: claim, publish with confirm, mark; poll when idle."""
+        while not self._stopping:
+            try:
+                record = await self._claim()
+            except PyMongoError as exc:
+                log.warning("outbox claim failed: %s", type(exc).__name__)
+                record = None
+            if record is None:
+                await self._refresh_counts()
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=self._options.poll_interval)
+                except TimeoutError:
+                    pass
+                continue
+            self._in_publish = True
+            try:
+                await self._publish(record, channel, confirm_timeout)
+            finally:
+                self._in_publish = False
+
+    async def _refresh_counts(self) -> None:
+        try:
+            self.pending = await self._collection.count_documents({"status": "pending"})
+            self.failed = await self._collection.count_documents({"status": "failed"})
+        except PyMongoError:
+            pass
+
+    async def _claim(self) -> dict[str, Any] | None:
+        token = uuid.uuid4().hex
+        claim_ms = int(self._options.claim_seconds * 1000)
+        record: dict[str, Any] | None = await self._collection.find_one_and_update(
+            {
+                "status": "pending",
+                "available_at": {"$lte": utcnow()},
+                "$expr": {"$lte": [{"$ifNull": ["$claim_expires", _EPOCH]}, "$$NOW"]},
+            },
+            [{"$set": {"claim_owner": self._owner, "claim_token": token,
+                       "claim_expires": {"$add": ["$$NOW", claim_ms]}}}],
+            sort=[("available_at", 1)],
+            return_document=ReturnDocument.AFTER,
+        )
+        return record
+
+    async def _publish(self, record: dict[str, Any], channel: aio_pika.abc.AbstractChannel, timeout: float) -> None:
+        fence = {"_id": record["_id"], "claim_token": record["claim_token"]}
+        try:
+            underlay = await channel.get_underlay_channel()
+            await basic_publish(
+                underlay,
+                exchange=record["exchange"],
+                routing_key=record["routing_key"],
+                body=bytes(record["body"]),
+                headers=record["headers"],
+                content_type=record.get("content_type"),
+                timeout=timeout,
+            )
+        except (PublishError, RuntimeError) as exc:
+            attempts = int(record.get("attempts", 0)) + 1
+            kind = exc.kind if isinstance(exc, PublishError) else "closed"
+            failed = attempts >= self._options.max_attempts
+            delay = min(self._options.backoff_base * 2 ** (attempts - 1), self._options.backoff_max)
+            update: dict[str, Any] = {
+                "attempts": attempts,
+                "last_error": f"publish {kind}",
+                "available_at": utcnow() + datetime.timedelta(seconds=delay * random.uniform(0.8, 1.2)),
+                "status": "failed" if failed else "pending",
+            }
+            try:
+                await self._collection.update_one(fence, {"$set": update, "$unset": {"claim_expires": ""}})
+            except PyMongoError:
+                log.warning("outbox record could not be updated after a failed publish", exc_info=True)
+            return
+        now = utcnow()
+        try:
+            await self._collection.update_one(
+                fence,
+                {
+                    "$set": {
+                        "status": "published",
+                        "published_at": now,
+                        "expires_at": now + datetime.timedelta(seconds=self._options.published_retention),
+                    },
+                    "$unset": {"claim_expires": ""},
+                },
+            )
+            self.published += 1
+        except PyMongoError:
+            # Published but not marked: the claim expires and the record is published
+            # again (at-least-once); downstream consumers deduplicate by event id.
+            log.warning("outbox record published but not marked", exc_info=True)

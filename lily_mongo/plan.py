@@ -1,0 +1,400 @@
+"""Registration and the consumer plan: every bound of SPEC section 4 checked once.
+
+``@queue(...)`` records a handler route on the function; ``Consumer.include``
+and ``Consumer.configure_queue`` feed a :class:`PlanBuilder`; ``build()``
+checks the whole plan and returns an immutable :class:`Plan` with the
+dispatch table the runtime reads on every delivery. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+from ._text import describe_value
+from .bounds import BOUNDS, utf8_len
+from .envelope import check_content_kind
+from .errors import ConfigError, ErrorCode, PlanError
+from .extractors import Parameter, is_coroutine_function, resolve_parameters
+
+if TYPE_CHECKING:
+    from .runtime import DeliveryContext
+
+__all__ = [
+    "Guarantee",
+    "Guard",
+    "HandlerRoute",
+    "Middleware",
+    "Plan",
+    "PlanBuilder",
+    "QueueOptions",
+    "RetryPolicy",
+    "queue",
+]
+
+F = TypeVar("F", bound=Callable[..., Awaitable[None]])
+Guarantee = Literal["at_least_once", "inbox"]
+QueueType = Literal["classic", "quorum"]
+Middleware = Callable[["DeliveryContext", Callable[[], Awaitable[None]]], Awaitable[None]]
+"""``async def mw(ctx, call_next) -> None``: wraps the rest of the pipeline."""
+Guard = Callable[["DeliveryContext"], Awaitable[None]]
+"""``async def guard(ctx) -> None``: a pre-handler check; raise QueueHandlerError to refuse."""
+
+_HANDLER_ATTR = "__lily_routes__"
+# Longest derived name: "<queue>.retry.<31>" (SPEC section 3 topology).
+_LONGEST_SUFFIX = max(len(f".retry.{BOUNDS.retry_buckets_per_queue - 1}"), len(".dlq"))
+_MAX_DELAY_SECONDS = 7 * 24 * 3600.0
+
+
+def _check_int(field_name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{field_name} must be an integer {low}..{high}, got {describe_value(value)}")
+    return value
+
+
+def _check_seconds(field_name: str, value: object, *, low: float = 0.0, high: float = _MAX_DELAY_SECONDS) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{field_name} must be a finite number of seconds, got {describe_value(value)}")
+    if not low < value <= high:
+        raise ConfigError(f"{field_name} must be > {low:g} and <= {high:g} seconds, got {value!r}")
+    return float(value)
+
+
+def check_name(field_name: str, name: object, *, suffix_bytes: int = 0) -> str:
+    """A queue/exchange/routing name: 1..200 UTF-8 bytes, derived names included."""
+    if not isinstance(name, str):
+        raise ConfigError(f"{field_name} must be a string, got {describe_value(name)}")
+    size = utf8_len(name)
+    limit = BOUNDS.name_max_bytes - suffix_bytes
+    if not BOUNDS.name_min_bytes <= size <= limit:
+        extra = f" (leaving {suffix_bytes} bytes for derived names)" if suffix_bytes else ""
+        raise ConfigError(f"{field_name} {name[:40]!r} is {size} bytes, outside 1..{limit} bytes{extra}")
+    return name
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryPolicy:
+    """Application retries through delay buckets.
+
+    Retry ``n`` (0-based) waits ``delays[min(n, len(delays) - 1)]`` seconds in a
+    retry bucket; each distinct delay is one bucket (``<queue>.retry.<i>``).
+    """
+
+    max_retries: int = 5
+    delays: tuple[float, ...] = (1.0, 5.0, 30.0, 120.0, 600.0)
+
+    def __post_init__(self) -> None:
+        _check_int("RetryPolicy.max_retries", self.max_retries, 0, BOUNDS.max_retries)
+        delays = tuple(self.delays) if isinstance(self.delays, Sequence) else self.delays
+        if not isinstance(delays, tuple) or (self.max_retries > 0 and not delays):
+            raise ConfigError(f"RetryPolicy.delays must be a non-empty sequence of seconds, got {self.delays!r:.60}")
+        for i, delay in enumerate(delays):
+            _check_seconds(f"RetryPolicy.delays[{i}]", delay, low=0.0)
+            if round(delay * 1000) < 1:
+                raise ConfigError(f"RetryPolicy.delays[{i}] must be at least 0.001 seconds, got {delay!r}")
+        object.__setattr__(self, "delays", tuple(float(d) for d in delays))
+        if len(self.bucket_delays_ms) > BOUNDS.retry_buckets_per_queue:
+            raise ConfigError(
+                f"RetryPolicy.delays has {len(self.bucket_delays_ms)} distinct delays, "
+                f"over the bound of {BOUNDS.retry_buckets_per_queue} buckets per queue"
+            )
+
+    @property
+    def bucket_delays_ms(self) -> tuple[int, ...]:
+        """Distinct delays in milliseconds, in first-use order; bucket ``i`` has delay ``[i]``."""
+        if self.max_retries == 0:
+            return ()
+        used = [round(self.delays[min(n, len(self.delays) - 1)] * 1000) for n in range(self.max_retries)]
+        return tuple(dict.fromkeys(used))
+
+    def bucket_for(self, retry: int) -> int:
+        """Index of the bucket that holds retry ``retry`` (0-based)."""
+        delay = round(self.delays[min(retry, len(self.delays) - 1)] * 1000)
+        return self.bucket_delays_ms.index(delay)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueOptions:
+    """Per physical queue settings; bounds checked at construction."""
+
+    name: str
+    concurrency: int = 8
+    prefetch: int = 64
+    buffer: int | None = None
+    max_body: int = BOUNDS.queue_body_default
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    queue_type: QueueType = "classic"
+    deadline: float = 60.0
+    cooperation_window: float = 5.0
+    max_deferrals: int = 20
+    max_handoff_failures: int = 5
+    passive: bool = False
+    unknown_errors: Literal["retryable", "permanent"] = "retryable"
+
+    def __post_init__(self) -> None:
+        where = f"queue {self.name!r:.60}"
+        check_name("queue name", self.name, suffix_bytes=_LONGEST_SUFFIX)
+        _check_int(f"{where}: concurrency", self.concurrency, BOUNDS.concurrency_min, BOUNDS.concurrency_max)
+        _check_int(f"{where}: prefetch", self.prefetch, 1, BOUNDS.prefetch_max)
+        if self.buffer is None:
+            object.__setattr__(self, "buffer", self.prefetch)
+        _check_int(f"{where}: buffer", self.buffer, 0, self.prefetch)
+        _check_int(f"{where}: max_body", self.max_body, 1, BOUNDS.queue_body_max)
+        if not isinstance(self.retry, RetryPolicy):
+            raise ConfigError(f"{where}: retry must be a RetryPolicy, got {type(self.retry).__name__}")
+        if self.queue_type not in ("classic", "quorum"):
+            raise ConfigError(f"{where}: queue_type must be 'classic' or 'quorum', got {self.queue_type!r:.40}")
+        _check_seconds(f"{where}: deadline", self.deadline, high=24 * 3600.0)
+        _check_seconds(f"{where}: cooperation_window", self.cooperation_window, high=3600.0)
+        _check_int(f"{where}: max_deferrals", self.max_deferrals, 1, 10_000)
+        _check_int(f"{where}: max_handoff_failures", self.max_handoff_failures, 1, 1000)
+        if self.unknown_errors not in ("retryable", "permanent"):
+            raise ConfigError(f"{where}: unknown_errors must be 'retryable' or 'permanent'")
+
+    @property
+    def effective_prefetch(self) -> int:
+        """Unacked deliveries the broker may push: never more than running plus buffered."""
+        assert self.buffer is not None
+        return min(self.prefetch, self.concurrency + self.buffer)
+
+    def bucket_name(self, index: int) -> str:
+        return f"{self.name}.retry.{index}"
+
+    @property
+    def dlq_name(self) -> str:
+        return f"{self.name}.dlq"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteSpec:
+    """What ``@queue`` records on a function."""
+
+    queue: str
+    version: int
+    content: str
+    handler_id: str | None
+    guarantee: Guarantee | None
+    middleware: tuple[Middleware, ...]
+    guards: tuple[Guard, ...]
+    trace: str | None
+
+
+def queue(
+    name: str,
+    *,
+    version: int,
+    content: str = "json",
+    handler_id: str | None = None,
+    guarantee: Guarantee | None = None,
+    middleware: Sequence[Middleware] = (),
+    guards: Sequence[Guard] = (),
+    trace: str | None = None,
+) -> Callable[[F], F]:
+    """Register an ``async def`` handler for (physical queue, schema version, content kind).
+
+    ``handler_id`` is the stable identity the inbox deduplicates on (default:
+    ``<queue>/v<version>/<content>/<function qualname>``); renaming it starts a
+    new dedup history. ``guarantee`` is ``"inbox"`` (default when the consumer
+    has a Mongo client) or ``"at_least_once"``. The decorator may be stacked to
+    serve several versions with one function.
+    """
+    check_name("queue name", name, suffix_bytes=_LONGEST_SUFFIX)
+    _check_int("version", version, BOUNDS.schema_version_min, BOUNDS.schema_version_max)
+    problem = check_content_kind(content)
+    if problem is not None:
+        raise ConfigError(f"content {problem}")
+    if guarantee not in (None, "at_least_once", "inbox"):
+        raise ConfigError(f"guarantee must be 'at_least_once' or 'inbox', got {guarantee!r:.40}")
+    if handler_id is not None and (not isinstance(handler_id, str) or not handler_id):
+        raise ConfigError(f"handler_id must be a non-empty string, got {describe_value(handler_id)}")
+    spec = RouteSpec(name, version, content, handler_id, guarantee, tuple(middleware), tuple(guards), trace)
+
+    def decorate(fn: F) -> F:
+        if not is_coroutine_function(fn):
+            raise ConfigError(f"@queue({name!r}) needs an async def handler, got {describe_value(fn)}")
+        routes: list[RouteSpec] = list(getattr(fn, _HANDLER_ATTR, ()))
+        routes.append(spec)
+        setattr(fn, _HANDLER_ATTR, tuple(routes))
+        return fn
+
+    return decorate
+
+
+def routes_of(fn: object) -> tuple[RouteSpec, ...]:
+    """The ``@queue`` routes recorded on ``fn`` (empty when it was never decorated)."""
+    return tuple(getattr(fn, _HANDLER_ATTR, ()))
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerRoute:
+    """One linked handler: a route, its function and its resolved parameters."""
+
+    queue: str
+    version: int
+    content: str
+    handler_id: str
+    guarantee: Guarantee
+    fn: Callable[..., Awaitable[None]]
+    parameters: tuple[Parameter, ...]
+    middleware: tuple[Middleware, ...]
+    guards: tuple[Guard, ...]
+    trace: str
+
+    @property
+    def needs_scope(self) -> bool:
+        return any(p.extractor is None for p in self.parameters)
+
+    @property
+    def terminal(self) -> Parameter | None:
+        for parameter in self.parameters:
+            if parameter.extractor is not None and parameter.extractor.terminal:
+                return parameter
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The checked, immutable plan: queue options and the dispatch table."""
+
+    name: str
+    queues: Mapping[str, QueueOptions]
+    routes: Mapping[str, Mapping[int, Mapping[str, HandlerRoute]]]
+    handlers: tuple[HandlerRoute, ...]
+    middleware: tuple[Middleware, ...]
+    guards: tuple[Guard, ...]
+
+    @property
+    def uses_inbox(self) -> bool:
+        return any(h.guarantee == "inbox" for h in self.handlers)
+
+
+@dataclass
+class PlanBuilder:
+    """Collects registrations; :meth:`build` checks them all against SPEC section 4."""
+
+    name: str
+    has_mongo: bool
+    queue_options: dict[str, QueueOptions] = field(default_factory=dict)
+    functions: list[Callable[..., Awaitable[None]]] = field(default_factory=list)
+    middleware: list[Middleware] = field(default_factory=list)
+    guards: list[Guard] = field(default_factory=list)
+
+    def configure_queue(self, options: QueueOptions) -> None:
+        self.queue_options[options.name] = options
+
+    def include(self, fn: Callable[..., Awaitable[None]]) -> None:
+        if not routes_of(fn):
+            raise PlanError(f"{describe_value(fn)} has no @queue(...) registration")
+        if fn not in self.functions:
+            self.functions.append(fn)
+
+    def build(self, scope_type: type) -> Plan:
+        name_bytes = utf8_len(self.name) if isinstance(self.name, str) else 0
+        if not 1 <= name_bytes <= BOUNDS.consumer_descriptor_bytes:
+            raise PlanError(
+                f"consumer name must be 1..{BOUNDS.consumer_descriptor_bytes} bytes, got {describe_value(self.name)}"
+            )
+        handlers: list[HandlerRoute] = []
+        for fn in self.functions:
+            for spec in routes_of(fn):
+                handlers.append(self._link(fn, spec, scope_type))
+        if not handlers:
+            raise PlanError("the consumer has no handlers; include at least one @queue handler")
+        if len(handlers) > BOUNDS.linked_handlers:
+            raise PlanError(f"{len(handlers)} linked handlers, over the bound of {BOUNDS.linked_handlers}")
+        queues = dict(self.queue_options)
+        for handler in handlers:
+            queues.setdefault(handler.queue, QueueOptions(name=handler.queue))
+        unused = [q for q in self.queue_options if not any(h.queue == q for h in handlers)]
+        if unused:
+            raise PlanError(f"configured queue {unused[0]!r:.60} has no handler")
+        if len(queues) > BOUNDS.physical_queues:
+            raise PlanError(f"{len(queues)} physical queues, over the bound of {BOUNDS.physical_queues}")
+        total_buckets = sum(len(q.retry.bucket_delays_ms) for q in queues.values())
+        if total_buckets > BOUNDS.retry_buckets_total:
+            raise PlanError(
+                f"{total_buckets} retry buckets in the topology, over the bound of {BOUNDS.retry_buckets_total}"
+            )
+        routes: dict[str, dict[int, dict[str, HandlerRoute]]] = {}
+        ids: dict[str, HandlerRoute] = {}
+        traces: set[str] = set()
+        plan_bytes = name_bytes
+        for handler in handlers:
+            by_content = routes.setdefault(handler.queue, {}).setdefault(handler.version, {})
+            if handler.content in by_content:
+                raise PlanError(
+                    f"handler {handler.handler_id!r}: (queue {handler.queue!r}, version {handler.version}, "
+                    f"content {handler.content!r}) is already served by {by_content[handler.content].handler_id!r}"
+                )
+            by_content[handler.content] = handler
+            if handler.handler_id in ids:
+                raise PlanError(f"handler_id {handler.handler_id!r} is used by two handlers; ids must be unique")
+            ids[handler.handler_id] = handler
+            traces.add(handler.trace)
+            plan_bytes += self._descriptor_bytes(handler)
+        if len(traces) > BOUNDS.trace_cells:
+            raise PlanError(f"{len(traces)} trace cells, over the bound of {BOUNDS.trace_cells}")
+        if plan_bytes > BOUNDS.aggregate_plan_bytes:
+            raise PlanError(f"the plan is {plan_bytes} bytes, over the bound of {BOUNDS.aggregate_plan_bytes} bytes")
+        return Plan(self.name, queues, routes, tuple(handlers), tuple(self.middleware), tuple(self.guards))
+
+    def _descriptor_bytes(self, handler: HandlerRoute) -> int:
+        size = sum(
+            utf8_len(part)
+            for part in (handler.handler_id, handler.queue, handler.content, handler.trace, *(
+                p.name for p in handler.parameters
+            ))
+        ) + 16
+        if size > BOUNDS.consumer_descriptor_bytes:
+            raise PlanError(
+                f"handler {handler.handler_id[:60]!r}: descriptor is {size} bytes, "
+                f"over the bound of {BOUNDS.consumer_descriptor_bytes} bytes"
+            )
+        return size
+
+    def _link(self, fn: Callable[..., Awaitable[None]], spec: RouteSpec, scope_type: type) -> HandlerRoute:
+        qualname = getattr(fn, "__qualname__", type(fn).__name__)
+        handler_id = spec.handler_id or f"{spec.queue}/v{spec.version}/{spec.content}/{qualname}"
+        where = f"handler {handler_id[:80]!r}"
+        middleware = (*self.middleware, *spec.middleware)
+        guards = (*self.guards, *spec.guards)
+        if len(middleware) > BOUNDS.middleware:
+            raise PlanError(f"{where}: {len(middleware)} middleware, over the bound of {BOUNDS.middleware}")
+        if len(guards) > BOUNDS.guards:
+            raise PlanError(f"{where}: {len(guards)} guards, over the bound of {BOUNDS.guards}")
+        parameters = resolve_parameters(
+            fn, where=where, scope_type=scope_type, max_parameters=BOUNDS.handler_parameters
+        )
+        guarantee: Guarantee = spec.guarantee or ("inbox" if self.has_mongo else "at_least_once")
+        if guarantee == "inbox" and not self.has_mongo:
+            raise PlanError(f"{where}: guarantee 'inbox' needs a Consumer with a mongo_client")
+        if any(p.extractor is None for p in parameters) and guarantee != "inbox":
+            raise PlanError(f"{where}: a MongoScope parameter needs guarantee 'inbox'")
+        return HandlerRoute(
+            queue=spec.queue,
+            version=spec.version,
+            content=spec.content,
+            handler_id=handler_id,
+            guarantee=guarantee,
+            fn=fn,
+            parameters=parameters,
+            middleware=middleware,
+            guards=guards,
+            trace=spec.trace or spec.queue,
+        )
+
+
+def dispatch(plan: Plan, queue_name: str, version: int, content: str) -> HandlerRoute | str:
+    """The handler for (queue, version, content), or the permanent error code why none serves it."""
+    by_version = plan.routes.get(queue_name, {})
+    by_content = by_version.get(version)
+    if by_content is None:
+        return ErrorCode.SCHEMA_VERSION_UNSUPPORTED
+    handler = by_content.get(content)
+    if handler is None:
+        return ErrorCode.CONTENT_KIND_UNSUPPORTED
+    return handler
+
+

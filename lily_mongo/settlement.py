@@ -1,0 +1,181 @@
+"""The settlement decision table of SPEC section 3 as a pure function.
+
+The runtime asks :func:`decide` for the next step, performs it, records what it
+observed in :class:`Evidence`, and asks again until the step is terminal. The
+function never sees a channel: it is tested exhaustively with hypothesis.
+
+Invariants (tested): no ACK before a required handoff confirm; nothing is
+settled twice; a confirmed handoff is never repeated; an infrastructure
+failure (handoff error, deferral, transport loss) never becomes an
+application retry.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .errors import ErrorCode
+
+__all__ = [
+    "Budget",
+    "Evidence",
+    "HandoffState",
+    "Outcome",
+    "PipelineResult",
+    "SettleState",
+    "Step",
+    "StepKind",
+    "Terminal",
+    "decide",
+]
+
+
+class Outcome(enum.Enum):
+    """What the pipeline concluded about the delivery."""
+
+    SUCCESS = "success"  # handler ran; required transaction committed
+    DUPLICATE = "duplicate"  # inbox already holds a completion for (handler, event)
+    RETRYABLE = "retryable"  # application failure that may succeed later
+    PERMANENT = "permanent"  # application or contract failure that never will
+    DEFERRED = "deferred"  # lease held elsewhere / lost, replay budget spent, ambiguous commit
+    BODY_TOO_LARGE = "body_too_large"  # broker-native dead-letter, body never copied
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineResult:
+    """The pipeline's verdict, with a stable code and a bounded reason for failures."""
+
+    outcome: Outcome
+    code: str | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Counters that bound the paths: application retries, deferrals, handoff failures."""
+
+    retry_count: int = 0
+    max_retries: int = 0
+    deferrals: int = 0
+    max_deferrals: int = 20
+    handoff_failures: int = 0
+    max_handoff_failures: int = 5
+
+
+class HandoffState(enum.Enum):
+    NONE = "none"
+    CONFIRMED = "confirmed"  # the destination accepted the copy (publisher confirm)
+    FAILED = "failed"  # returned, nacked, timed out or the channel failed
+
+
+class SettleState(enum.Enum):
+    NONE = "none"
+    SENT = "sent"  # ack/nack/reject written on the delivery's own channel
+    FAILED = "failed"  # the write failed or its outcome is unknown
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """What has been observed so far for one delivery."""
+
+    handoff: HandoffState = HandoffState.NONE
+    settle: SettleState = SettleState.NONE
+    authority: bool = True  # the delivery's channel generation is current and not revoked
+    settled_with: StepKind | None = None
+
+
+class StepKind(enum.Enum):
+    ACK = "ack"
+    NACK_REQUEUE = "nack_requeue"
+    REJECT = "reject"  # nack(requeue=False): the broker dead-letters through the queue's DLX
+    PUBLISH_RETRY = "publish_retry"
+    PUBLISH_DLQ = "publish_dlq"
+    DONE = "done"
+    UNRESOLVED = "unresolved"
+
+
+class Terminal(enum.Enum):
+    """How a delivery ended, as reported in observations and counters."""
+
+    ACKED = "acked"
+    DUPLICATE = "duplicate"
+    RETRIED = "retried"
+    DEAD_LETTERED = "dead_lettered"
+    DEFERRED = "deferred"
+    HANDOFF_FAILED = "handoff_failed"
+    BROKER_DEAD_LETTERED = "broker_dead_lettered"
+    UNRESOLVED = "unresolved"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """The next action; ``terminal`` is set on DONE/UNRESOLVED."""
+
+    kind: StepKind
+    code: str | None = None
+    reason: str = ""
+    retry_count: int | None = None  # the x-retry-count the retry copy carries
+    terminal: Terminal | None = None
+
+
+def _target(result: PipelineResult, budget: Budget) -> Step:
+    """Where the delivery should go, ignoring what has been done so far."""
+    outcome = result.outcome
+    if outcome in (Outcome.SUCCESS, Outcome.DUPLICATE):
+        return Step(StepKind.ACK)
+    if outcome is Outcome.BODY_TOO_LARGE:
+        return Step(StepKind.REJECT, ErrorCode.BODY_TOO_LARGE, result.reason)
+    if outcome is Outcome.DEFERRED:
+        if budget.deferrals >= budget.max_deferrals:
+            reason = f"deferred {budget.deferrals} times (bound {budget.max_deferrals}); last: {result.reason}"
+            return Step(StepKind.PUBLISH_DLQ, ErrorCode.DEFERRALS_EXHAUSTED, reason)
+        return Step(StepKind.NACK_REQUEUE, result.code, result.reason)
+    code = result.code or ErrorCode.HANDLER_FAILED
+    if outcome is Outcome.RETRYABLE:
+        if budget.retry_count < budget.max_retries:
+            return Step(StepKind.PUBLISH_RETRY, code, result.reason, retry_count=budget.retry_count + 1)
+        reason = f"{budget.retry_count} retries used (bound {budget.max_retries}); last {code}: {result.reason}"
+        return Step(StepKind.PUBLISH_DLQ, ErrorCode.RETRIES_EXHAUSTED, reason)
+    return Step(StepKind.PUBLISH_DLQ, code, result.reason)
+
+
+def _terminal_for(result: PipelineResult, target: Step, evidence: Evidence) -> Terminal:
+    if evidence.settled_with is StepKind.REJECT:
+        return Terminal.BROKER_DEAD_LETTERED
+    if evidence.settled_with is StepKind.NACK_REQUEUE:
+        return Terminal.HANDOFF_FAILED if evidence.handoff is HandoffState.FAILED else Terminal.DEFERRED
+    if target.kind is StepKind.PUBLISH_RETRY:
+        return Terminal.RETRIED
+    if target.kind is StepKind.PUBLISH_DLQ:
+        return Terminal.DEAD_LETTERED
+    return Terminal.DUPLICATE if result.outcome is Outcome.DUPLICATE else Terminal.ACKED
+
+
+def decide(result: PipelineResult, budget: Budget, evidence: Evidence) -> Step:
+    """The next settlement step for one delivery (SPEC section 3 decision table)."""
+    target = _target(result, budget)
+    if evidence.settle is SettleState.SENT:
+        return Step(StepKind.DONE, target.code, target.reason, terminal=_terminal_for(result, target, evidence))
+    if evidence.settle is SettleState.FAILED:
+        why = "settlement write failed"
+        if evidence.handoff is HandoffState.CONFIRMED:
+            why += " after the handoff was confirmed (the confirmed copy is kept as evidence)"
+        return Step(StepKind.UNRESOLVED, target.code, why, terminal=Terminal.UNRESOLVED)
+    if not evidence.authority:
+        why = "transport lost: the delivery's channel has no settlement authority"
+        if evidence.handoff is HandoffState.CONFIRMED:
+            why += " (handoff copy confirmed)"
+        return Step(StepKind.UNRESOLVED, target.code, why, terminal=Terminal.UNRESOLVED)
+    if target.kind in (StepKind.ACK, StepKind.REJECT, StepKind.NACK_REQUEUE):
+        return target
+    # A handoff target: publish, then ACK only after the confirm.
+    if evidence.handoff is HandoffState.CONFIRMED:
+        return Step(StepKind.ACK, target.code, target.reason)
+    if evidence.handoff is HandoffState.FAILED:
+        if budget.handoff_failures + 1 >= budget.max_handoff_failures:
+            # Repeated handoff failures: let the broker dead-letter the original
+            # through the queue's DLX rather than loop forever (weaker evidence).
+            return Step(StepKind.REJECT, target.code, f"handoff failed {budget.handoff_failures + 1} times")
+        return Step(StepKind.NACK_REQUEUE, target.code, "handoff failed; bounded requeue")
+    return target
