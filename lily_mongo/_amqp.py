@@ -20,8 +20,7 @@ from typing import Any
 import aiormq
 import aiormq.exceptions
 from pamqp import commands as spec
-from pamqp import common
-from pamqp import encode
+from pamqp import common, encode
 
 from .errors import PublishError
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BOUNDS", "Bounds", "HANDOFF_HEADER_KEYS", "utf8_len"]
+__all__ = ["BOUNDS", "HANDOFF_HEADER_KEYS", "Bounds", "utf8_len"]
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -54,8 +54,9 @@ def _patch_commit_failpoints() -> None:
     WireSpecialCommandHandlers._handle_commit_transaction = handle_commit  # type: ignore[method-assign]
 
 
-async def serve(host: str = "127.0.0.1", port: int = 0, *, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None) -> None:
+async def serve(
+    host: str = "127.0.0.1", port: int = 0, *, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> None:
     """Serve until ``stop`` is set (or forever); print ``READY <uri>`` once listening."""
     from mongoeco.wire import AsyncMongoEcoProxyServer
 

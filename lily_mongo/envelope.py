@@ -14,19 +14,19 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .bounds import BOUNDS, HANDOFF_HEADER_KEYS, utf8_len
 from ._text import describe_value
+from .bounds import BOUNDS, HANDOFF_HEADER_KEYS, utf8_len
 from .errors import EnvelopeError, ErrorCode
 
 __all__ = [
     "CONTENT_KIND_HEADER",
     "EVENT_ID_HEADER",
-    "Envelope",
-    "EnvelopeError",
     "RETRY_COUNT_HEADER",
     "SCHEMA_VERSION_HEADER",
     "TRACEPARENT_HEADER",
     "TRACESTATE_HEADER",
+    "Envelope",
+    "EnvelopeError",
     "check_content_kind",
     "is_canonical_uuid",
     "sanitize_headers",
@@ -118,15 +118,11 @@ class _Walk:
             return scalar
         if isinstance(value, Mapping | list | tuple):
             if depth >= BOUNDS.metadata_depth:
-                raise _bounds_error(
-                    f"header {key!r} nests deeper than the bound of {BOUNDS.metadata_depth} levels"
-                )
+                raise _bounds_error(f"header {key!r} nests deeper than the bound of {BOUNDS.metadata_depth} levels")
             items = list(value.items()) if isinstance(value, Mapping) else list(enumerate(value))
             self.elements += len(items)
             if self.elements > BOUNDS.metadata_elements:
-                raise _bounds_error(
-                    f"nested metadata has more than {BOUNDS.metadata_elements} elements (bound)"
-                )
+                raise _bounds_error(f"nested metadata has more than {BOUNDS.metadata_elements} elements (bound)")
             total = 0
             for inner_key, inner in items:
                 if isinstance(value, Mapping):
@@ -167,9 +163,7 @@ def _check_metadata(headers: Mapping[str, object]) -> None:
             )
         if isinstance(value, str) and len(value) > BOUNDS.header_value_bytes:
             # Cheap early exit before encoding a huge string: characters <= bytes.
-            raise _bounds_error(
-                f"header {key!r} value is over the bound of {BOUNDS.header_value_bytes} bytes"
-            )
+            raise _bounds_error(f"header {key!r} value is over the bound of {BOUNDS.header_value_bytes} bytes")
         size = walk.size(key, value, 0)
         if size > BOUNDS.header_value_bytes:
             raise _bounds_error(
@@ -220,9 +214,7 @@ def validate_envelope(
     if isinstance(body_size, bool) or not isinstance(body_size, int) or body_size < 0:
         raise _invalid(f"body size must be a non-negative integer, got {describe_value(body_size)}")
     if body_size > max_body:
-        raise EnvelopeError(
-            ErrorCode.BODY_TOO_LARGE, f"body is {body_size} bytes, over the bound of {max_body} bytes"
-        )
+        raise EnvelopeError(ErrorCode.BODY_TOO_LARGE, f"body is {body_size} bytes, over the bound of {max_body} bytes")
     if headers is None:
         headers = {}
     elif not isinstance(headers, Mapping):
@@ -256,9 +248,7 @@ def validate_envelope(
             f"got {describe_value(retry_value)}"
         )
     elif not 0 <= retry_value <= BOUNDS.retry_count_max:
-        raise _invalid(
-            f"header {RETRY_COUNT_HEADER!r} is {retry_value}, outside the bound 0..{BOUNDS.retry_count_max}"
-        )
+        raise _invalid(f"header {RETRY_COUNT_HEADER!r} is {retry_value}, outside the bound 0..{BOUNDS.retry_count_max}")
     else:
         retry_count = retry_value
 

@@ -265,7 +265,9 @@ class Inbox:
         if isinstance(exc, PyMongoError) and exc.has_error_label(TRANSIENT):
             raise exc
 
-    async def execute(self, runtime: Runtime, qr: QueueRuntime, route: HandlerRoute, delivery: RawDelivery) -> Execution:
+    async def execute(
+        self, runtime: Runtime, qr: QueueRuntime, route: HandlerRoute, delivery: RawDelivery
+    ) -> Execution:
         from .runtime import Execution
 
         key = f"{route.handler_id}|{delivery.envelope.event_id}"
@@ -317,7 +319,7 @@ class Inbox:
                 {"$lte": [{"$ifNull": ["$expires_at", None]}, "$$NOW"]},
             ]
         }
-        pipeline = [
+        pipeline: list[dict[str, Any]] = [
             {"$set": {"_lily_free": free}},
             {
                 "$set": {
@@ -325,9 +327,7 @@ class Inbox:
                     "token": {"$cond": ["$_lily_free", {"$add": [{"$ifNull": ["$token", 0]}, 1]}, "$token"]},
                     "expires_at": {"$cond": ["$_lily_free", {"$add": ["$$NOW", lease_ms]}, "$expires_at"]},
                     "stale_at": {"$add": ["$$NOW", lease_ms + stale_ms]},
-                    "acquisitions": {
-                        "$add": [{"$ifNull": ["$acquisitions", 0]}, {"$cond": ["$_lily_free", 1, 0]}]
-                    },
+                    "acquisitions": {"$add": [{"$ifNull": ["$acquisitions", 0]}, {"$cond": ["$_lily_free", 1, 0]}]},
                     "deferrals": {"$add": [{"$ifNull": ["$deferrals", 0]}, {"$cond": ["$_lily_free", 0, 1]}]},
                 }
             },
@@ -371,7 +371,15 @@ class Inbox:
         if execution.result.outcome is Outcome.DEFERRED:
             doc = await self.leases.find_one_and_update(
                 fence,
-                [{"$set": {"owner": None, "expires_at": "$$NOW", "deferrals": {"$add": [{"$ifNull": ["$deferrals", 0]}, 1]}}}],
+                [
+                    {
+                        "$set": {
+                            "owner": None,
+                            "expires_at": "$$NOW",
+                            "deferrals": {"$add": [{"$ifNull": ["$deferrals", 0]}, 1]},
+                        }
+                    }
+                ],
                 return_document=ReturnDocument.AFTER,
             )
             if doc is None:  # lost meanwhile: count the deferral on whatever is there
@@ -427,7 +435,7 @@ class Inbox:
                         f"{self.options.replay_budget}); last: {replay}",
                     )
                     return execution
-                cap = min(self.options.backoff_max, self.options.backoff_base * 2 ** execution.transient_replays)
+                cap = min(self.options.backoff_max, self.options.backoff_base * 2**execution.transient_replays)
                 await asyncio.sleep(random.uniform(0, cap))
 
     async def _attempt(
@@ -490,7 +498,7 @@ class Inbox:
                 committed = await self._commit(session, lease, execution)
             finally:
                 lease.committing = False
-            if committed is True:
+            if committed is None:
                 if wrote_outbox:
                     self.relay.wake()
                 return PipelineResult(Outcome.SUCCESS)
@@ -505,11 +513,11 @@ class Inbox:
             except PyMongoError:
                 _discard_server_session(session)
 
-    async def _commit(self, session: AsyncClientSession, lease: _Lease, execution: Execution) -> bool | PipelineResult:
-        """Commit; on an unknown result retry the same commit, then read the completion record."""
+    async def _commit(self, session: AsyncClientSession, lease: _Lease, execution: Execution) -> PipelineResult | None:
+        """Commit (None when committed); on an unknown result retry the same commit, then read the record."""
         try:
             await session.commit_transaction()
-            return True
+            return None
         except PyMongoError as exc:
             if not exc.has_error_label(UNKNOWN_COMMIT):
                 # Not committed (MongoDB aborts it): replay in a fresh scope.
@@ -520,16 +528,14 @@ class Inbox:
             await asyncio.sleep(random.uniform(0, min(self.options.backoff_max, self.options.backoff_base * 2**retry)))
             try:
                 await session.commit_transaction()
-                return True
+                return None
             except PyMongoError as exc:
                 if not exc.has_error_label(UNKNOWN_COMMIT):
                     break
         _discard_server_session(session)
-        record = await self.completions.with_options(read_concern=ReadConcern("majority")).find_one(
-            {"_id": lease.key}
-        )
+        record = await self.completions.with_options(read_concern=ReadConcern("majority")).find_one({"_id": lease.key})
         if record is not None and record.get("owner") == lease.owner and record.get("token") == lease.token:
-            return True
+            return None
         if record is not None:
             return PipelineResult(Outcome.DUPLICATE)
         return PipelineResult(
@@ -537,4 +543,3 @@ class Inbox:
             "COMMIT_AMBIGUOUS",
             "the commit result stayed unknown and no completion record is visible; the next delivery decides",
         )
-

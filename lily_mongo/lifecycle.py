@@ -91,8 +91,10 @@ class ShutdownReport:
 
     def render(self) -> str:
         """A human-readable multi-line summary (no endpoints, no credentials)."""
-        lines = [f"shutdown {'succeeded' if self.succeeded else 'FAILED'}"
-                 f"{' (forced)' if self.forced else ''}; unresolved deliveries: {self.unresolved}"]
+        lines = [
+            f"shutdown {'succeeded' if self.succeeded else 'FAILED'}"
+            f"{' (forced)' if self.forced else ''}; unresolved deliveries: {self.unresolved}"
+        ]
         for a in self.actions:
             status = ("ok" if a.ok else "error") + (", terminated" if a.observed else ", termination NOT observed")
             lines.append(f"  {a.name:<18} {status} ({a.duration:.3f} s){': ' + a.error if a.error else ''}")
@@ -110,8 +112,9 @@ class _Steps:
         try:
             observed = await step()
         except Exception as exc:
-            self.actions.append(ShutdownAction(name, False, False, f"{type(exc).__name__}: {exc}"[:300],
-                                               time.monotonic() - started))
+            self.actions.append(
+                ShutdownAction(name, False, False, f"{type(exc).__name__}: {exc}"[:300], time.monotonic() - started)
+            )
             return False
         self.actions.append(ShutdownAction(name, True, observed, None, time.monotonic() - started))
         return observed
@@ -142,8 +145,11 @@ class Consumer:
             raise ConfigError("amqp_url must be a non-empty AMQP URL")
         if mongo_client is not None and not database:
             raise ConfigError("database is required when a mongo_client is given")
-        for field_name, value in (("confirm_timeout", confirm_timeout), ("graceful_timeout", graceful_timeout),
-                                  ("force_timeout", force_timeout)):
+        for field_name, value in (
+            ("confirm_timeout", confirm_timeout),
+            ("graceful_timeout", graceful_timeout),
+            ("force_timeout", force_timeout),
+        ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
                 raise ConfigError(f"{field_name} must be > 0 and <= 3600 seconds, got {value!r}")
         self._amqp_url = amqp_url
@@ -228,7 +234,7 @@ class Consumer:
         return await managed.shutdown()
 
 
-async def _uncancellable(awaitable: Awaitable[T]) -> T:
+async def _uncancellable[T](awaitable: Awaitable[T]) -> T:
     """Await to completion even if the awaiting task is cancelled meanwhile; re-deliver the cancel after."""
     task = asyncio.ensure_future(awaitable)
     cancelled = False
@@ -386,7 +392,8 @@ class ManagedConsumer:
 
     async def _shutdown_sequence(self) -> ShutdownReport:
         runtime = self._runtime
-        assert runtime is not None and self._connection is not None
+        assert runtime is not None
+        assert self._connection is not None
         steps = _Steps()
         runtime.shutting_down = True
         self._state = State.DRAINING
@@ -407,8 +414,9 @@ class ManagedConsumer:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
-                    await asyncio.wait({*runtime.delivery_tasks, wait_for}, timeout=remaining,
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        {*runtime.delivery_tasks, wait_for}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                    )
             finally:
                 wait_for.cancel()
             return not runtime.delivery_tasks
@@ -482,5 +490,3 @@ class ManagedConsumer:
             forced=forced,
             succeeded=succeeded,
         )
-
-

@@ -12,6 +12,7 @@ the holder of its claim, and downstream consumers deduplicate by event id.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import random
@@ -156,10 +157,8 @@ class OutboxRelay:
             if record is None:
                 await self._refresh_counts()
                 self._wake.clear()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=self._options.poll_interval)
-                except TimeoutError:
-                    pass
                 continue
             self._in_publish = True
             try:
@@ -183,8 +182,15 @@ class OutboxRelay:
                 "available_at": {"$lte": utcnow()},
                 "$expr": {"$lte": [{"$ifNull": ["$claim_expires", _EPOCH]}, "$$NOW"]},
             },
-            [{"$set": {"claim_owner": self._owner, "claim_token": token,
-                       "claim_expires": {"$add": ["$$NOW", claim_ms]}}}],
+            [
+                {
+                    "$set": {
+                        "claim_owner": self._owner,
+                        "claim_token": token,
+                        "claim_expires": {"$add": ["$$NOW", claim_ms]},
+                    }
+                }
+            ],
             sort=[("available_at", 1)],
             return_document=ReturnDocument.AFTER,
         )

@@ -341,12 +341,19 @@ class PlanBuilder:
         return Plan(self.name, queues, routes, tuple(handlers), tuple(self.middleware), tuple(self.guards))
 
     def _descriptor_bytes(self, handler: HandlerRoute) -> int:
-        size = sum(
-            utf8_len(part)
-            for part in (handler.handler_id, handler.queue, handler.content, handler.trace, *(
-                p.name for p in handler.parameters
-            ))
-        ) + 16
+        size = (
+            sum(
+                utf8_len(part)
+                for part in (
+                    handler.handler_id,
+                    handler.queue,
+                    handler.content,
+                    handler.trace,
+                    *(p.name for p in handler.parameters),
+                )
+            )
+            + 16
+        )
         if size > BOUNDS.consumer_descriptor_bytes:
             raise PlanError(
                 f"handler {handler.handler_id[:60]!r}: descriptor is {size} bytes, "
@@ -396,5 +403,3 @@ def dispatch(plan: Plan, queue_name: str, version: int, content: str) -> Handler
     if handler is None:
         return ErrorCode.CONTENT_KIND_UNSUPPORTED
     return handler
-
-

@@ -12,7 +12,7 @@ import enum
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import aio_pika
 import aio_pika.abc
@@ -78,7 +78,7 @@ def _encode_binary(value: bytes | bytearray | memoryview) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class CustomPublishContent(Generic[T]):
+class CustomPublishContent[T]:
     """A content contract: the ``x-lily-content-kind`` token, the MIME type and the encoder."""
 
     kind: str
@@ -122,7 +122,7 @@ def _check_name(field: str, value: object, *, allow_empty: bool) -> str:
     return value
 
 
-def prepare_publication(
+def prepare_publication[T](
     content: CustomPublishContent[T],
     routing_key: str,
     payload: T,
@@ -143,8 +143,10 @@ def prepare_publication(
     """
     _check_name("routing_key", routing_key, allow_empty=True)
     _check_name("exchange", exchange, allow_empty=True)
-    if isinstance(version, bool) or not isinstance(version, int) or not (
-        BOUNDS.schema_version_min <= version <= BOUNDS.schema_version_max
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, int)
+        or not (BOUNDS.schema_version_min <= version <= BOUNDS.schema_version_max)
     ):
         raise ConfigError(
             f"version must be an integer {BOUNDS.schema_version_min}..{BOUNDS.schema_version_max}, "

@@ -207,9 +207,7 @@ class Runtime:
         """A new transport generation: old deliveries have lost settlement authority."""
         self.generation += 1
 
-    def _callback(
-        self, qr: QueueRuntime
-    ) -> Callable[[aio_pika.abc.AbstractIncomingMessage], Awaitable[None]]:
+    def _callback(self, qr: QueueRuntime) -> Callable[[aio_pika.abc.AbstractIncomingMessage], Awaitable[None]]:
         async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             qr.counters.received += 1
             if not self.accepting:
@@ -301,8 +299,10 @@ class Runtime:
                     event_id=envelope.event_id if envelope else None,
                     outcome=terminal,
                     code=(step.code if step is not None else None) or execution.result.code,
-                    reason=truncate_utf8(step.reason if step is not None and step.reason else execution.result.reason,
-                                         BOUNDS.failure_reason_bytes),
+                    reason=truncate_utf8(
+                        step.reason if step is not None and step.reason else execution.result.reason,
+                        BOUNDS.failure_reason_bytes,
+                    ),
                     handoff_confirmed=evidence.handoff is HandoffState.CONFIRMED,
                     ack_sent=evidence.settled_with is StepKind.ACK and evidence.settle is SettleState.SENT,
                     broker_native=evidence.settled_with is StepKind.REJECT,
@@ -468,8 +468,9 @@ class Runtime:
                     evidence = dataclasses.replace(evidence, handoff=HandoffState.CONFIRMED)
                     qr.handoff_failures.pop(key, None)
                 except PublishError as exc:
-                    log.warning("handoff to %s failed: %s", "retry" if step.kind is StepKind.PUBLISH_RETRY
-                                else "DLQ", exc.kind)
+                    log.warning(
+                        "handoff to %s failed: %s", "retry" if step.kind is StepKind.PUBLISH_RETRY else "DLQ", exc.kind
+                    )
                     evidence = dataclasses.replace(evidence, handoff=HandoffState.FAILED)
                     self._count_handoff_failure(qr, key)
                 continue
@@ -492,7 +493,7 @@ class Runtime:
         delay = min(0.05 * (2 ** min(count, 6)), 2.0) * random.uniform(0.5, 1.0)
         if execution.backoff_limit is not None:
             delay = min(delay, max(execution.backoff_limit, 0.0))
-        return min(delay, qr.options.cooperation_window)
+        return float(min(delay, qr.options.cooperation_window))
 
     async def _write_settlement(
         self, message: aio_pika.abc.AbstractIncomingMessage, kind: StepKind, evidence: Evidence

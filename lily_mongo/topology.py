@@ -46,9 +46,7 @@ async def declare_topology(connection: aio_pika.abc.AbstractConnection, options:
         (options.dlq_name, _arguments(options, {})),
         (
             options.name,
-            _arguments(
-                options, {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": options.dlq_name}
-            ),
+            _arguments(options, {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": options.dlq_name}),
         ),
     ]
     for index, delay_ms in enumerate(options.retry.bucket_delays_ms):
@@ -76,9 +74,7 @@ async def declare_topology(connection: aio_pika.abc.AbstractConnection, options:
         except aiormq.exceptions.ChannelNotFoundEntity as exc:
             raise ConfigError(f"queue {name!r} does not exist (passive topology verification)") from exc
         except aiormq.exceptions.ChannelPreconditionFailed as exc:
-            raise ConfigError(
-                f"queue {name!r} exists with other arguments than {arguments!r}: {exc}"
-            ) from exc
+            raise ConfigError(f"queue {name!r} exists with other arguments than {arguments!r}: {exc}") from exc
         except aiormq.exceptions.AMQPError as exc:
             raise TransportError(f"declaring queue {name!r} failed: {type(exc).__name__}") from exc
         finally:

@@ -133,9 +133,7 @@ async def queue_depth(channel: aio_pika.abc.AbstractChannel, name: str) -> int:
     return int(count)
 
 
-async def wait_for_depth(
-    channel: aio_pika.abc.AbstractChannel, name: str, expected: int, timeout: float = 15.0
-) -> int:
+async def wait_for_depth(channel: aio_pika.abc.AbstractChannel, name: str, expected: int, timeout: float = 15.0) -> int:
     """Poll until ``name`` holds ``expected`` ready messages; return the last depth seen."""
     deadline = asyncio.get_running_loop().time() + timeout
     depth = await queue_depth(channel, name)
@@ -145,7 +143,9 @@ async def wait_for_depth(
     return depth
 
 
-async def drain(channel: aio_pika.abc.AbstractChannel, name: str, limit: int = 1000) -> list[aio_pika.abc.AbstractIncomingMessage]:
+async def drain(
+    channel: aio_pika.abc.AbstractChannel, name: str, limit: int = 1000
+) -> list[aio_pika.abc.AbstractIncomingMessage]:
     """Get (and ACK) every ready message of ``name``."""
     queue = await channel.declare_queue(name, passive=True)
     out: list[aio_pika.abc.AbstractIncomingMessage] = []
