@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["describe_value", "truncate_utf8"]
+__all__ = ["describe_key", "describe_value", "truncate_utf8"]
 
 _UNSAFE = re.compile(r"[^\x20-\x7e]")
 
@@ -25,7 +25,7 @@ def truncate_utf8(text: str, max_bytes: int) -> str:
 
 def describe_value(value: object, limit: int = 24) -> str:
     """A short, printable description of an untrusted value: its type and a bounded preview."""
-    kind = type(value).__name__
+    kind = _UNSAFE.sub("?", type(value).__name__[:40])
     if isinstance(value, str | bytes | bytearray):
         size = len(value)
         preview_src = value[: limit + 1]
@@ -33,6 +33,15 @@ def describe_value(value: object, limit: int = 24) -> str:
         preview = _UNSAFE.sub("?", preview[:limit])
         suffix = "..." if size > limit else ""
         return f"{kind} {preview!r}{suffix} (length {size})"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        # repr() of a huge int is unbounded (and raises past 4300 digits).
+        return f"{kind} of {value.bit_length()} bits"
     if isinstance(value, bool | int | float):
         return truncate_utf8(f"{kind} {value!r}", limit + 16)
     return kind
+
+
+def describe_key(key: str, limit: int = 40) -> str:
+    """A bounded, printable rendering of a header key for error reasons."""
+    preview = _UNSAFE.sub("?", key[:limit])
+    return f"'{preview}'" + ("..." if len(key) > limit else "")

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ._text import describe_value
+from ._text import describe_key, describe_value
 from .bounds import BOUNDS, HANDOFF_HEADER_KEYS, utf8_len
 from .errors import EnvelopeError, ErrorCode
 
@@ -58,6 +58,7 @@ _SCALAR_SIZES: dict[type, int] = {
     type(None): 0,
 }
 _HANDOFF_KEYS_COUNT = len(HANDOFF_HEADER_KEYS)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +116,14 @@ class _Walk:
             return len(value)  # type: ignore[arg-type]
         scalar = _SCALAR_SIZES.get(kind)
         if scalar is not None:
+            if kind is int and not _INT64_MIN <= value <= _INT64_MAX:  # type: ignore[operator]
+                raise _invalid(f"header {describe_key(key)} holds an integer outside the AMQP signed 64-bit range")
             return scalar
         if isinstance(value, Mapping | list | tuple):
             if depth >= BOUNDS.metadata_depth:
-                raise _bounds_error(f"header {key!r} nests deeper than the bound of {BOUNDS.metadata_depth} levels")
+                raise _bounds_error(
+                    f"header {describe_key(key)} nests deeper than the bound of {BOUNDS.metadata_depth} levels"
+                )
             items = list(value.items()) if isinstance(value, Mapping) else list(enumerate(value))
             self.elements += len(items)
             if self.elements > BOUNDS.metadata_elements:
@@ -127,8 +132,14 @@ class _Walk:
             for inner_key, inner in items:
                 if isinstance(value, Mapping):
                     if not isinstance(inner_key, str):
-                        raise _invalid(f"header {key!r} has a table key that is not a string")
-                    total += utf8_len(inner_key)
+                        raise _invalid(f"header {describe_key(key)} has a table key that is not a string")
+                    inner_key_bytes = utf8_len(inner_key)
+                    if inner_key_bytes > BOUNDS.header_key_bytes:
+                        raise _bounds_error(
+                            f"header {describe_key(key)} has a nested key of {inner_key_bytes} bytes, "
+                            f"over the bound of {BOUNDS.header_key_bytes} bytes"
+                        )
+                    total += inner_key_bytes
                 total += self.size(key, inner, depth + 1)
             return total
         if isinstance(value, str | bytes | bool | int | float | decimal.Decimal | datetime.datetime):
@@ -138,7 +149,7 @@ class _Walk:
             if isinstance(value, bytes):
                 return len(value)
             return 8
-        raise _invalid(f"header {key!r} holds a {kind.__name__}, which is not an AMQP field value")
+        raise _invalid(f"header {describe_key(key)} holds a {describe_value(value)}, which is not an AMQP field value")
 
 
 def _check_metadata(headers: Mapping[str, object]) -> None:
@@ -152,6 +163,7 @@ def _check_metadata(headers: Mapping[str, object]) -> None:
         )
     walk = _Walk()
     aggregate = 0
+    total = 0
     for key, value in headers.items():
         if not isinstance(key, str):
             raise _invalid(f"header key is a {type(key).__name__}, not a string")
@@ -159,24 +171,37 @@ def _check_metadata(headers: Mapping[str, object]) -> None:
         if key_bytes > BOUNDS.header_key_bytes or key_bytes == 0:
             raise _bounds_error(
                 f"header key of {key_bytes} bytes is outside 1..{BOUNDS.header_key_bytes} bytes "
-                f"(starts {describe_value(key)})"
+                f"(starts {describe_key(key)})"
             )
         if isinstance(value, str) and len(value) > BOUNDS.header_value_bytes:
             # Cheap early exit before encoding a huge string: characters <= bytes.
-            raise _bounds_error(f"header {key!r} value is over the bound of {BOUNDS.header_value_bytes} bytes")
+            raise _bounds_error(
+                f"header {describe_key(key)} value is over the bound of {BOUNDS.header_value_bytes} bytes"
+            )
         size = walk.size(key, value, 0)
         if size > BOUNDS.header_value_bytes:
             raise _bounds_error(
-                f"header {key!r} value is {size} bytes, over the bound of {BOUNDS.header_value_bytes} bytes"
+                f"header {describe_key(key)} value is {size} bytes, over the bound of {BOUNDS.header_value_bytes} bytes"
             )
+        total += key_bytes + size
         if key not in HANDOFF_HEADER_KEYS:
             aggregate += key_bytes + size
+    if total > BOUNDS.metadata_aggregate_bytes:
+        raise _bounds_error(f"metadata is {total} bytes, over the bound of {BOUNDS.metadata_aggregate_bytes} bytes")
     allowed = BOUNDS.metadata_aggregate_bytes - BOUNDS.handoff_reserve_bytes
     if aggregate > allowed:
         raise _bounds_error(
             f"metadata is {aggregate} bytes, over the bound of {allowed} bytes "
             f"({BOUNDS.metadata_aggregate_bytes} less {BOUNDS.handoff_reserve_bytes} reserved for handoff headers)"
         )
+
+
+def _valid_traceparent(text: str) -> bool:
+    """W3C traceparent: hex fields, version ff invalid, all-zero trace or parent id invalid."""
+    if _TRACEPARENT_RE.fullmatch(text) is None:
+        return False
+    version, trace_id, parent_id, _ = text.split("-")
+    return version != "ff" and trace_id != "0" * 32 and parent_id != "0" * 16
 
 
 def _required_str(headers: Mapping[str, object], name: str) -> str:
@@ -214,7 +239,8 @@ def validate_envelope(
     if isinstance(body_size, bool) or not isinstance(body_size, int) or body_size < 0:
         raise _invalid(f"body size must be a non-negative integer, got {describe_value(body_size)}")
     if body_size > max_body:
-        raise EnvelopeError(ErrorCode.BODY_TOO_LARGE, f"body is {body_size} bytes, over the bound of {max_body} bytes")
+        shown = body_size if body_size.bit_length() <= 64 else describe_value(body_size)
+        raise EnvelopeError(ErrorCode.BODY_TOO_LARGE, f"body is {shown} bytes, over the bound of {max_body} bytes")
     if headers is None:
         headers = {}
     elif not isinstance(headers, Mapping):
@@ -248,17 +274,20 @@ def validate_envelope(
             f"got {describe_value(retry_value)}"
         )
     elif not 0 <= retry_value <= BOUNDS.retry_count_max:
-        raise _invalid(f"header {RETRY_COUNT_HEADER!r} is {retry_value}, outside the bound 0..{BOUNDS.retry_count_max}")
+        raise _invalid(
+            f"header {RETRY_COUNT_HEADER!r} is {describe_value(retry_value)}, "
+            f"outside the bound 0..{BOUNDS.retry_count_max}"
+        )
     else:
         retry_count = retry_value
 
     traceparent = _optional_trace(headers, TRACEPARENT_HEADER, BOUNDS.traceparent_bytes)
-    if traceparent is not None and _TRACEPARENT_RE.fullmatch(traceparent) is None:
-        # W3C Trace Context: a receiver ignores a malformed traceparent (and its tracestate).
+    tracestate = _optional_trace(headers, TRACESTATE_HEADER, BOUNDS.tracestate_bytes)
+    if traceparent is not None and not _valid_traceparent(traceparent):
+        # W3C Trace Context: a receiver ignores a malformed traceparent (and its tracestate);
+        # both stay bounded above because they are copied on handoff.
         traceparent = None
         tracestate = None
-    else:
-        tracestate = _optional_trace(headers, TRACESTATE_HEADER, BOUNDS.tracestate_bytes)
     return Envelope(
         event_id=uuid.UUID(event_text),
         schema_version=int(version_text),
