@@ -81,6 +81,10 @@ class Extractor:
         """Produce the argument for one delivery."""
         raise NotImplementedError
 
+    def payload_schema(self, ref_template: str) -> dict[str, Any]:
+        """JSON Schema of the body a terminal extractor accepts (for the AsyncAPI document)."""
+        return {}
+
 
 class _JsonExtractor(Extractor):
     terminal = True
@@ -93,6 +97,11 @@ class _JsonExtractor(Extractor):
             return _JsonExtractor(pydantic.TypeAdapter(annotation))
         except pydantic.PydanticSchemaGenerationError as exc:
             raise PlanError(f"Json[{annotation!r}] has no pydantic schema: {exc}") from exc
+
+    def payload_schema(self, ref_template: str) -> dict[str, Any]:
+        assert self._adapter is not None
+        schema: dict[str, Any] = self._adapter.json_schema(ref_template=ref_template)
+        return schema
 
     def extract(self, delivery: RawDelivery) -> Any:
         assert self._adapter is not None
@@ -109,6 +118,9 @@ class _JsonExtractor(Extractor):
 class _TextExtractor(Extractor):
     terminal = True
 
+    def payload_schema(self, ref_template: str) -> dict[str, Any]:
+        return {"type": "string"}
+
     def extract(self, delivery: RawDelivery) -> str:
         try:
             return delivery.body.decode("utf-8")
@@ -118,6 +130,9 @@ class _TextExtractor(Extractor):
 
 class _BytesExtractor(Extractor):
     terminal = True
+
+    def payload_schema(self, ref_template: str) -> dict[str, Any]:
+        return {"type": "string", "format": "binary"}
 
     def extract(self, delivery: RawDelivery) -> bytes:
         return delivery.body

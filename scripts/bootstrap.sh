@@ -14,7 +14,7 @@ else
   python3 -m pip install --quiet uv
   UV=(python3 -m uv)
 fi
-"${UV[@]}" sync --locked --quiet
+"${UV[@]}" sync --locked --all-extras --quiet
 
 uv_run() {
   "${UV[@]}" run --locked --no-sync "$@"
