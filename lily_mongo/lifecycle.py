@@ -428,6 +428,7 @@ class ManagedConsumer:
             async def force() -> bool:
                 # The notice: cancel handler executions, but keep settlement authority
                 # for a cooperative window so work finishing now may still ACK.
+                runtime.forcing = True
                 for task in list(runtime.execution_tasks):
                     task.cancel()
                 pending = await self._tasks.join(set(runtime.delivery_tasks), self._force_timeout)

@@ -183,6 +183,7 @@ class Runtime:
         self.generation = 1
         self.accepting = False
         self.revoked = False
+        self.forcing = False
         self.delivery_tasks: set[asyncio.Task[Any]] = set()
         self.execution_tasks: set[asyncio.Task[Any]] = set()
         self._intake_tasks: list[asyncio.Task[Any]] = []
@@ -373,6 +374,11 @@ class Runtime:
             task.cancel()
             raise
         if task.cancelled():
+            if self.forcing:
+                # A forced shutdown is an infrastructure event, not an application failure:
+                # requeue without spending a retry.
+                reason = "cancelled by a forced shutdown"
+                return Execution(PipelineResult(Outcome.DEFERRED, "SHUTDOWN", reason), attempts=1)
             reason = "execution was cancelled"
             return Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_TIMEOUT, reason), attempts=1)
         execution: Execution = task.result()
