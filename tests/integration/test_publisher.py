@@ -47,3 +47,24 @@ async def test_unroutable_publish_raises(amqp: str, names: BrokerNames) -> None:
         with pytest.raises(PublishError) as caught:
             await publisher.publish_binary(names.queue("nowhere"), b"\x00", version=1)
     assert caught.value.kind == "unroutable"
+
+
+async def test_header_types_on_the_wire(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    queue = names.queue("types")
+    await amqp_channel.declare_queue(queue)
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    async with Publisher(amqp) as publisher:
+        await publisher.publish_binary(queue, b"\x00\x01", version=65535, retry_count=3, traceparent=traceparent)
+    [message] = await drain(amqp_channel, queue)
+    headers = message.headers
+    assert type(headers["x-lily-event-id"]) is str
+    assert type(headers["x-lily-schema-version"]) is str
+    assert headers["x-lily-schema-version"] == "65535"
+    assert type(headers["x-lily-content-kind"]) is str
+    assert type(headers["x-retry-count"]) is int
+    assert headers["x-retry-count"] == 3
+    assert headers["traceparent"] == traceparent
+    assert message.content_type == "application/octet-stream"
+    assert message.body == b"\x00\x01"
