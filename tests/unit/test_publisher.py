@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
@@ -133,7 +132,7 @@ async def test_confirmed_publish_is_mandatory_with_a_fresh_message_id() -> None:
     ("outcome", "kind"),
     [
         (TimeoutError(), "timeout"),
-        (asyncio.TimeoutError(), "timeout"),
+        (TimeoutError(), "timeout"),
         (aiormq.exceptions.DeliveryError(None, spec.Basic.Nack(delivery_tag=1)), "nacked"),
         (aiormq.exceptions.ChannelInvalidStateError("closed"), "closed"),
         (ConnectionResetError(), "closed"),
