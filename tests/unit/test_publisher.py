@@ -132,7 +132,6 @@ async def test_confirmed_publish_is_mandatory_with_a_fresh_message_id() -> None:
     ("outcome", "kind"),
     [
         (TimeoutError(), "timeout"),
-        (TimeoutError(), "timeout"),
         (aiormq.exceptions.DeliveryError(None, spec.Basic.Nack(delivery_tag=1)), "nacked"),
         (aiormq.exceptions.ChannelInvalidStateError("closed"), "closed"),
         (ConnectionResetError(), "closed"),
