@@ -8,6 +8,7 @@ headers as the header schema. Pure: reads the plan only.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -24,14 +25,20 @@ from .plan import HandlerRoute, Plan
 
 __all__ = ["asyncapi_document"]
 
-_ID_UNSAFE = re.compile(r"[^\w.\-]")
+_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 _MIME = {"json": "application/json", "text": "text/plain; charset=utf-8", "binary": "application/octet-stream"}
-_REF_TEMPLATE = "#/components/schemas/{model}"
 
 
 def _component_id(text: str) -> str:
-    """AsyncAPI component and channel keys must match ``^[\\w\\d.\\-_]+$``."""
-    return _ID_UNSAFE.sub("_", text)
+    """AsyncAPI component and channel keys must match ``^[A-Za-z0-9_.-]+$``.
+
+    A name that needs rewriting gets a short digest of the original, so two
+    queues whose names rewrite alike ("a b", "a_b") keep distinct keys.
+    """
+    safe = _ID_UNSAFE.sub("_", text)
+    if safe == text:
+        return text
+    return f"{safe}-{hashlib.blake2b(text.encode(), digest_size=4).hexdigest()}"
 
 
 def _envelope_headers(route: HandlerRoute | None) -> dict[str, Any]:
@@ -99,9 +106,12 @@ def asyncapi_document(plan: Plan, *, title: str | None = None, version: str = "1
                 payload: dict[str, Any] = {}
                 terminal = route.terminal
                 if terminal is not None and terminal.extractor is not None:
-                    payload = terminal.extractor.payload_schema(_REF_TEMPLATE)
+                    # Model schemas are namespaced per message: two versions may both
+                    # define a nested model called "Line" with different fields.
+                    template = f"#/components/schemas/{message_id}.{{model}}"
+                    payload = terminal.extractor.payload_schema(template)
                     for name, definition in payload.pop("$defs", {}).items():
-                        schemas[name] = definition
+                        schemas[f"{message_id}.{name}"] = definition
                 messages[message_id] = {
                     "name": message_id,
                     "title": f"{queue_name} v{route.version} ({route.content})",

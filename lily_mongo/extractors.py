@@ -192,8 +192,10 @@ def resolve_parameters(
     fn: Callable[..., Any], *, where: str, scope_type: type, max_parameters: int
 ) -> tuple[Parameter, ...]:
     """Resolve every parameter of ``fn`` to an extractor, once, at plan time."""
+    # A callable object: its annotations live on the class's __call__.
+    annotated = fn if isinstance(fn, types.FunctionType | types.MethodType) else type(fn).__call__
     try:
-        hints = typing.get_type_hints(fn, include_extras=True)
+        hints = typing.get_type_hints(annotated, include_extras=True)
     except Exception as exc:  # NameError for unresolvable forward references, and the like
         raise PlanError(f"{where}: cannot resolve parameter annotations: {exc}") from exc
     signature = inspect.signature(fn)

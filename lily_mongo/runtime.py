@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import datetime
 import logging
 import random
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import aio_pika
 import aio_pika.abc
+import aiormq.exceptions
 
 from ._amqp import basic_publish
 from ._text import truncate_utf8
@@ -142,6 +144,7 @@ class QueueRuntime:
         self.in_flight = 0
         self.counters = QueueCounters()
         self.handoff_failures: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.dlq_unroutable = False
 
     def snapshot(self) -> QueueSnapshot:
         c = self.counters
@@ -221,7 +224,7 @@ class Runtime:
         return on_message
 
     async def _return_unstarted(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        if not message.channel.is_closed:
+        if _channel_alive(message):
             try:
                 await message.nack(requeue=True)
             except Exception:  # the channel died meanwhile: the broker requeues it anyway
@@ -439,7 +442,7 @@ class Runtime:
     # -- settlement ---------------------------------------------------------------------
 
     def _authority(self, message: aio_pika.abc.AbstractIncomingMessage) -> bool:
-        return not self.revoked and not message.channel.is_closed
+        return not self.revoked and _channel_alive(message)
 
     async def _settle(
         self,
@@ -449,7 +452,7 @@ class Runtime:
         execution: Execution,
     ) -> tuple[Step, Evidence]:
         options = qr.options
-        key = envelope.event_id.bytes if envelope else (message.message_id or "").encode()
+        key = _failure_key(message, envelope)
         budget = Budget(
             retry_count=envelope.retry_count if envelope else 0,
             max_retries=options.retry.max_retries,
@@ -457,6 +460,7 @@ class Runtime:
             max_deferrals=options.max_deferrals,
             handoff_failures=qr.handoff_failures.get(key, 0),
             max_handoff_failures=options.max_handoff_failures,
+            dead_letter_fallback=not qr.dlq_unroutable,
         )
         evidence = Evidence()
         result = execution.result
@@ -473,12 +477,16 @@ class Runtime:
                     await self._handoff(qr, message, envelope, step, budget)
                     evidence = dataclasses.replace(evidence, handoff=HandoffState.CONFIRMED)
                     qr.handoff_failures.pop(key, None)
+                    if step.kind is StepKind.PUBLISH_DLQ:
+                        qr.dlq_unroutable = False
                 except PublishError as exc:
-                    log.warning(
-                        "handoff to %s failed: %s", "retry" if step.kind is StepKind.PUBLISH_RETRY else "DLQ", exc.kind
-                    )
+                    to_dlq = step.kind is StepKind.PUBLISH_DLQ
+                    log.warning("handoff to %s failed: %s", "the DLQ" if to_dlq else "a retry bucket", exc.kind)
                     evidence = dataclasses.replace(evidence, handoff=HandoffState.FAILED)
                     self._count_handoff_failure(qr, key)
+                    if to_dlq and exc.kind == "unroutable":
+                        qr.dlq_unroutable = True
+                    budget = dataclasses.replace(budget, dead_letter_fallback=not qr.dlq_unroutable)
                 continue
             if step.kind is StepKind.NACK_REQUEUE:
                 await asyncio.sleep(self._requeue_backoff(qr, execution, budget, evidence))
@@ -559,6 +567,24 @@ class Runtime:
 
     def snapshots(self) -> tuple[QueueSnapshot, ...]:
         return tuple(qr.snapshot() for qr in self.queues.values())
+
+
+def _channel_alive(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
+    """True while the delivery's own channel is open (aio-pika raises once it is closed)."""
+    try:
+        return not message.channel.is_closed
+    except (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError):
+        return False
+
+
+def _failure_key(message: aio_pika.abc.AbstractIncomingMessage, envelope: Envelope | None) -> bytes:
+    """Identity of a delivery across redeliveries, for the handoff-failure counter."""
+    if envelope is not None:
+        return envelope.event_id.bytes
+    digest = hashlib.blake2b(message.body, digest_size=16)
+    digest.update((message.routing_key or "").encode())
+    digest.update((message.message_id or "").encode())
+    return digest.digest()
 
 
 def _printable(text: str) -> str:

@@ -61,6 +61,9 @@ class Budget:
     max_deferrals: int = 20
     handoff_failures: int = 0
     max_handoff_failures: int = 5
+    # False when the DLQ itself refused a copy as unroutable: a broker-native
+    # dead-letter would then be dropped, so the delivery keeps being requeued.
+    dead_letter_fallback: bool = True
 
 
 class HandoffState(enum.Enum):
@@ -173,7 +176,7 @@ def decide(result: PipelineResult, budget: Budget, evidence: Evidence) -> Step:
     if evidence.handoff is HandoffState.CONFIRMED:
         return Step(StepKind.ACK, target.code, target.reason)
     if evidence.handoff is HandoffState.FAILED:
-        if budget.handoff_failures + 1 >= budget.max_handoff_failures:
+        if budget.handoff_failures + 1 >= budget.max_handoff_failures and budget.dead_letter_fallback:
             # Repeated handoff failures: let the broker dead-letter the original
             # through the queue's DLX rather than loop forever (weaker evidence).
             return Step(StepKind.REJECT, target.code, f"handoff failed {budget.handoff_failures + 1} times")
