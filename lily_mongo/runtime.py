@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import hashlib
 import datetime
+import hashlib
 import logging
 import random
 import time
