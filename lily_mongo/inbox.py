@@ -284,21 +284,22 @@ class Inbox:
             )
         lease = _Lease(key, owner, int(lease_doc["token"]), asyncio.Event())
         heartbeat = self.tasks.spawn(self._heartbeat(lease), name="lily-heartbeat")
-        execution = Execution(PipelineResult(Outcome.DEFERRED, "LEASE_LOST", "not run"))
+        execution: Execution | None = None
         try:
             execution = await self._attempts(runtime, qr, route, delivery, lease)
         finally:
             heartbeat.cancel()
-            # Release or mark the lease even if this task is being cancelled.
-            release = asyncio.ensure_future(self._finish_lease(lease, execution))
+            # Release or mark the lease even if this task is being cancelled. Cancelled
+            # from outside (deadline, forced shutdown), the attempt is not a deferral:
+            # the runtime settles it otherwise, so the lease is simply released.
+            deferred = execution is not None and execution.result.outcome is Outcome.DEFERRED
+            release = asyncio.ensure_future(self._finish_lease(lease, deferred=deferred))
             try:
                 deferrals = await asyncio.shield(release)
-            except asyncio.CancelledError:
-                raise
             except PyMongoError:
                 log.warning("lease release failed; it will expire", exc_info=True)
                 deferrals = 0
-            if execution.result.outcome is Outcome.DEFERRED:
+            if execution is not None and deferred:
                 execution.deferrals = deferrals
         return execution
 
@@ -365,10 +366,10 @@ class Inbox:
                 return
             last_ok = time.monotonic()
 
-    async def _finish_lease(self, lease: _Lease, execution: Execution) -> int:
+    async def _finish_lease(self, lease: _Lease, *, deferred: bool) -> int:
         """Fenced release: delete on a final verdict, keep (expired, deferrals + 1) on deferral."""
         fence = {"_id": lease.key, "owner": lease.owner, "token": lease.token}
-        if execution.result.outcome is Outcome.DEFERRED:
+        if deferred:
             doc = await self.leases.find_one_and_update(
                 fence,
                 [

@@ -53,6 +53,8 @@ class EmbeddedMongo:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.process is not None and self.process.stdout is not None:
+            self.process.stdout.close()
 
 
 @dataclass

@@ -1,0 +1,88 @@
+"""A consumer replica for the multi-process inbox tests: runs until SIGTERM.
+
+Usage::
+
+    python inbox_worker.py --mongo-uri URI --amqp URL --database DB --queue Q
+                           --handler-id ID --name NAME [--lease-seconds S] [--slow S]
+
+The handler sleeps ``--slow`` seconds, then writes one ``effects`` document in
+the attempt's transaction (the sleep comes before the transaction's first
+operation). Every line on stdout is one JSON object: ``{"ready": ...}`` once
+consuming, ``{"handler": ...}`` when a handler call starts, and
+``{"observations": [...]}`` after shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+from pymongo import AsyncMongoClient
+
+from lily_mongo import Consumer, EventId, InboxOptions, MongoScope, RetryPolicy, queue
+
+
+def emit(record: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+async def run(args: argparse.Namespace) -> None:
+    @queue(args.queue, version=1, content="json", handler_id=args.handler_id)
+    async def handle(event_id: EventId, mongo: MongoScope) -> None:
+        emit({"handler": str(event_id), "pid": os.getpid()})
+        if args.slow:
+            await asyncio.sleep(args.slow)
+        await mongo.database["effects"].insert_one(
+            {"event_id": str(event_id), "pid": os.getpid()}, session=mongo.session
+        )
+
+    client: AsyncMongoClient[Any] = AsyncMongoClient(args.mongo_uri, serverSelectionTimeoutMS=10_000)
+    consumer = Consumer(
+        amqp_url=args.amqp,
+        mongo_client=client,
+        database=args.database,
+        name=args.name,
+        inbox=InboxOptions(lease_seconds=args.lease_seconds),
+        graceful_timeout=5.0,
+        owns_mongo_client=True,
+    )
+    consumer.configure_queue(
+        args.queue, concurrency=1, prefetch=1, max_deferrals=50, retry=RetryPolicy(max_retries=1, delays=(0.2,))
+    )
+    consumer.include(handle)
+    managed = await consumer.start()
+    managed.install_signal_handlers()
+    emit({"ready": args.name, "pid": os.getpid()})
+    report = await managed.wait()
+    emit(
+        {
+            "observations": [
+                {"outcome": o.outcome, "code": o.code, "attempts": o.attempts, "event_id": str(o.event_id)}
+                for o in managed.delivery_terminal_observations()
+            ],
+            "succeeded": report.succeeded,
+            "unresolved": report.unresolved,
+        }
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mongo-uri", required=True)
+    parser.add_argument("--amqp", required=True)
+    parser.add_argument("--database", required=True)
+    parser.add_argument("--queue", required=True)
+    parser.add_argument("--handler-id", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--lease-seconds", type=float, default=1.0)
+    parser.add_argument("--slow", type=float, default=0.0)
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
