@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import aio_pika
 import aio_pika.abc
+from aio_pika.connection import make_url
+
+from ._tasks import uncancellable
 
 __all__ = ["connect_amqp", "redact_url"]
 
@@ -18,7 +22,18 @@ def redact_url(url: str) -> str:
 
 
 async def connect_amqp(url: str, *, robust: bool = True) -> aio_pika.abc.AbstractConnection:
-    """Open an AMQP connection (robust by default: it reconnects and restores topology)."""
-    if robust:
-        return await aio_pika.connect_robust(url)
-    return await aio_pika.connect(url)
+    """Open an AMQP connection (robust by default: it reconnects and restores topology).
+
+    Cancelling the caller while the connection is being opened closes it: a robust
+    connection starts background tasks that would otherwise outlive the caller.
+    """
+    connection: aio_pika.abc.AbstractConnection = (
+        aio_pika.RobustConnection(make_url(url)) if robust else aio_pika.Connection(make_url(url))
+    )
+    try:
+        await connection.connect()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await uncancellable(connection.close())
+        raise
+    return connection

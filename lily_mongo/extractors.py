@@ -43,6 +43,10 @@ __all__ = [
 T = TypeVar("T")
 
 
+NOT_DECODED: Any = object()
+"""Marks a payload that has not been decoded yet (the handler's extractor decodes it)."""
+
+
 class PayloadDecodeError(Exception):
     """A terminal extractor could not decode the body (mapped to QUEUE_PAYLOAD_DECODE_FAILED)."""
 

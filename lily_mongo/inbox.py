@@ -40,6 +40,7 @@ from pymongo.write_concern import WriteConcern
 
 from .bounds import BOUNDS
 from .errors import ConfigError, ScopeClosedError
+from .extractors import NOT_DECODED
 from .outbox import Outbox, OutboxRelay, RelayOptions, utcnow
 from .settlement import Outcome, PipelineResult
 
@@ -266,8 +267,9 @@ class Inbox:
             raise exc
 
     async def execute(
-        self, runtime: Runtime, qr: QueueRuntime, route: HandlerRoute, delivery: RawDelivery
+        self, runtime: Runtime, qr: QueueRuntime, route: HandlerRoute, delivery: RawDelivery, payload: Any
     ) -> Execution:
+        """Run one delivery under the lease protocol; ``payload`` is the already decoded body."""
         from .runtime import Execution
 
         key = f"{route.handler_id}|{delivery.envelope.event_id}"
@@ -286,7 +288,7 @@ class Inbox:
         heartbeat = self.tasks.spawn(self._heartbeat(lease), name="lily-heartbeat")
         execution: Execution | None = None
         try:
-            execution = await self._attempts(runtime, qr, route, delivery, lease)
+            execution = await self._attempts(runtime, qr, route, delivery, lease, payload)
         finally:
             heartbeat.cancel()
             # Release or mark the lease even if this task is being cancelled. Cancelled
@@ -390,7 +392,13 @@ class Inbox:
         return 0
 
     async def _attempts(
-        self, runtime: Runtime, qr: QueueRuntime, route: HandlerRoute, delivery: RawDelivery, lease: _Lease
+        self,
+        runtime: Runtime,
+        qr: QueueRuntime,
+        route: HandlerRoute,
+        delivery: RawDelivery,
+        lease: _Lease,
+        payload: Any,
     ) -> Execution:
         """The replay loop: each pass is a fresh scope; transient failures replay the whole pipeline."""
         from .runtime import Execution
@@ -400,7 +408,10 @@ class Inbox:
         while True:
             attempt += 1
             execution.attempts = attempt
-            task = asyncio.ensure_future(self._attempt(runtime, qr, route, delivery, lease, attempt, execution))
+            # The first attempt reuses the body decoded while preparing; a replay decodes
+            # afresh so a handler that mutated its payload cannot leak into the replay.
+            first = payload if attempt == 1 else NOT_DECODED
+            task = asyncio.ensure_future(self._attempt(runtime, qr, route, delivery, lease, attempt, execution, first))
             lost = asyncio.ensure_future(lease.lost.wait())
             try:
                 await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
@@ -448,6 +459,7 @@ class Inbox:
         lease: _Lease,
         attempt: int,
         execution: Execution,
+        payload: Any,
     ) -> PipelineResult:
         session = self.client.start_session(causal_consistency=False)
         scope: MongoScope | None = None
@@ -464,7 +476,7 @@ class Inbox:
             )
             scope = MongoScope(session, self.database, outbox)
             try:
-                result = await runtime.run_attempt(qr, route, delivery, attempt=attempt, scope=scope)
+                result = await runtime.run_attempt(qr, route, delivery, attempt=attempt, scope=scope, payload=payload)
                 if result.outcome is not Outcome.SUCCESS:
                     await self._abort(session)
                     return result

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aio_pika.abc
 
 from ._connect import connect_amqp, redact_url
+from ._tasks import uncancellable as _uncancellable
 from .errors import ConfigError, LilyError
 from .observe import Snapshot, TerminalObservation
 from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions
@@ -231,26 +232,8 @@ class Consumer:
             raise
         finally:
             waiter.cancel()
-        return await managed.shutdown()
-
-
-async def _uncancellable[T](awaitable: Awaitable[T]) -> T:
-    """Await to completion even if the awaiting task is cancelled meanwhile; re-deliver the cancel after."""
-    task = asyncio.ensure_future(awaitable)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                raise
-            cancelled = True
-            continue
-        if cancelled:
-            current = asyncio.current_task()
-            if current is not None:
-                current.cancel()
-        return result
+        # The supervisor owns cleanup: a cancel arriving now waits for it, then propagates.
+        return await _uncancellable(managed.shutdown())
 
 
 class ManagedConsumer:
@@ -410,16 +393,16 @@ class ManagedConsumer:
             wait_for = asyncio.ensure_future(self._force_requested.wait())
             try:
                 deadline = time.monotonic() + self._graceful_timeout
-                while runtime.delivery_tasks and not self._force_requested.is_set():
+                while runtime.unsettled() and not self._force_requested.is_set():
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
                     await asyncio.wait(
-                        {*runtime.delivery_tasks, wait_for}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                        {*runtime.unsettled(), wait_for}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
                     )
             finally:
                 wait_for.cancel()
-            return not runtime.delivery_tasks
+            return not runtime.unsettled()
 
         forced = not await steps.run("drain", drain)
         if forced:
@@ -427,16 +410,16 @@ class ManagedConsumer:
 
             async def force() -> bool:
                 # The notice: cancel handler executions, but keep settlement authority
-                # for a cooperative window so work finishing now may still ACK.
-                runtime.forcing = True
-                for task in list(runtime.execution_tasks):
-                    task.cancel()
-                pending = await self._tasks.join(set(runtime.delivery_tasks), self._force_timeout)
+                # for a cooperative window so work finishing now may still settle.
+                runtime.interrupt_executions()
+                pending = await self._tasks.join(runtime.unsettled(), self._force_timeout)
                 # Then revoke authority and cancel what is left; observe the joins.
                 runtime.revoked = True
                 for task in pending:
                     task.cancel()
-                still = await self._tasks.join(pending | set(runtime.execution_tasks), self._force_timeout)
+                still = await self._tasks.join(pending, self._force_timeout)
+                # Whatever could not settle is reported unresolved, never as ACKed.
+                runtime.abandon_unfinished()
                 return not still
 
             await steps.run("force", force)
@@ -465,11 +448,16 @@ class ManagedConsumer:
             return bool(connection.is_closed)
 
         await steps.run("connection_close", connection_close)
-        leftovers = self._tasks.pending()
-        if leftovers:
+
+        async def tasks_join() -> bool:
+            # Whatever is still running (a handler dropped at its deadline that ignores
+            # cancellation, a heartbeat) is cancelled and its end observed, or reported.
+            leftovers = self._tasks.pending()
             for task in leftovers:
                 task.cancel()
-            await self._tasks.join(leftovers, self._force_timeout)
+            return not await self._tasks.join(leftovers, self._force_timeout)
+
+        await steps.run("tasks_join", tasks_join)
         consumer = self._consumer
         if consumer._owns_mongo_client and consumer._mongo_client is not None:
             client = consumer._mongo_client

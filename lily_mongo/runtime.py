@@ -2,9 +2,11 @@
 
 One :class:`Runtime` per started consumer. Per physical queue it owns a
 channel (so prefetch and admission are per queue and a slow queue never
-starves another), a local buffer fed by the broker callback, and an intake
-loop that admits deliveries through the queue's permits. Each admitted
-delivery runs in a task of the supervisor's :class:`TaskSet`.
+starves another), a number of free admission permits and a local buffer.
+The broker callback admits a delivery at once while a permit is free, and
+buffers it otherwise; a finishing delivery returns its permit and admits the
+next buffered one. Each admitted delivery runs in a task of the supervisor's
+:class:`TaskSet`.
 
 Settlement follows :func:`settlement.decide`; every ACK/NACK is written at most
 once, on the delivery's own channel, and only while that channel is alive and
@@ -35,7 +37,7 @@ from ._text import truncate_utf8
 from .bounds import BOUNDS
 from .envelope import RETRY_COUNT_HEADER, Envelope, sanitize_headers, validate_envelope
 from .errors import EnvelopeError, ErrorCode, PublishError, QueueHandlerError
-from .extractors import PayloadDecodeError, RawDelivery
+from .extractors import NOT_DECODED, PayloadDecodeError, RawDelivery
 from .observe import ObservationLog, QueueCounters, QueueSnapshot, TerminalObservation
 from .plan import HandlerRoute, Plan, QueueOptions, dispatch
 from .settlement import (
@@ -123,10 +125,28 @@ class Execution:
     backoff_limit: float | None = None  # e.g. the lease's remaining time
 
 
+@dataclass(slots=True, eq=False)
+class _Delivery:
+    """The mutable record of one admitted delivery, shared by its task and the deadline timers."""
+
+    qr: QueueRuntime
+    message: aio_pika.abc.AbstractIncomingMessage
+    received_at: float = dataclasses.field(default_factory=time.time)
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    envelope: Envelope | None = None
+    route: HandlerRoute | None = None
+    execution: Execution | None = None
+    executing: bool = False
+    deadline_hit: bool = False
+    dropped: bool = False
+    finished: bool = False
+
+
 @dataclass(slots=True)
 class _Prepared:
     route: HandlerRoute
     delivery: RawDelivery
+    payload: Any  # the terminal extractor's value, decoded once while preparing
 
 
 class QueueRuntime:
@@ -135,9 +155,8 @@ class QueueRuntime:
     def __init__(self, index: int, options: QueueOptions) -> None:
         self.index = index
         self.options = options
-        self.permits = asyncio.Semaphore(options.concurrency)
+        self.free_permits = options.concurrency
         self.buffer: collections.deque[aio_pika.abc.AbstractIncomingMessage] = collections.deque()
-        self.wakeup = asyncio.Event()
         self.channel: aio_pika.abc.AbstractChannel | None = None
         self.queue: aio_pika.abc.AbstractQueue | None = None
         self.consumer_tag: str | None = None
@@ -187,9 +206,7 @@ class Runtime:
         self.accepting = False
         self.revoked = False
         self.forcing = False
-        self.delivery_tasks: set[asyncio.Task[Any]] = set()
-        self.execution_tasks: set[asyncio.Task[Any]] = set()
-        self._intake_tasks: list[asyncio.Task[Any]] = []
+        self.deliveries: dict[asyncio.Task[Any], _Delivery] = {}
         self.settled_during_shutdown: collections.Counter[str] = collections.Counter()
         self.shutting_down = False
 
@@ -205,7 +222,6 @@ class Runtime:
             qr.channel = channel
             qr.queue = await channel.declare_queue(qr.options.name, passive=True)
             qr.consumer_tag = await qr.queue.consume(self._callback(qr), no_ack=False)
-            self._intake_tasks.append(self.tasks.spawn(self._intake(qr), name=f"lily-intake-{qr.index}"))
 
     def on_reconnect(self) -> None:
         """A new transport generation: old deliveries have lost settlement authority."""
@@ -218,8 +234,11 @@ class Runtime:
                 # Intake stopped: give it back at once (it was never started).
                 await self._return_unstarted(message)
                 return
-            qr.buffer.append(message)
-            qr.wakeup.set()
+            if qr.free_permits > 0 and not qr.buffer:
+                qr.free_permits -= 1
+                self._admit(qr, message)
+            else:
+                qr.buffer.append(message)
 
         return on_message
 
@@ -230,36 +249,30 @@ class Runtime:
             except Exception:  # the channel died meanwhile: the broker requeues it anyway
                 log.debug("returning an unstarted delivery failed", exc_info=True)
 
-    async def _intake(self, qr: QueueRuntime) -> None:
-        while self.accepting:
-            if not qr.buffer:
-                qr.wakeup.clear()
-                await qr.wakeup.wait()
-                continue
-            await qr.permits.acquire()
-            if not self.accepting or not qr.buffer:
-                qr.permits.release()
-                continue
-            message = qr.buffer.popleft()
-            task = self.tasks.spawn(self._deliver(qr, message, self.generation), name="lily-delivery")
-            self.delivery_tasks.add(task)
-            task.add_done_callback(self.delivery_tasks.discard)
+    def _admit(self, qr: QueueRuntime, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        """Start a delivery on a permit the caller has taken."""
+        state = _Delivery(qr, message)
+        qr.in_flight += 1
+        task = self.tasks.spawn(self._deliver(state), name="lily-delivery")
+        self.deliveries[task] = state
+        task.add_done_callback(self._forget_delivery)
+
+    def _release_permit(self, qr: QueueRuntime) -> None:
+        if self.accepting and qr.buffer:
+            self._admit(qr, qr.buffer.popleft())  # the permit passes straight on
+        else:
+            qr.free_permits += 1
 
     async def stop_intake(self) -> list[BaseException]:
         """Cancel consumers, stop the intake loops and return buffered (unstarted) deliveries."""
         errors: list[BaseException] = []
         self.accepting = False
         for qr in self.queues.values():
-            qr.wakeup.set()
             if qr.queue is not None and qr.consumer_tag is not None and qr.channel and not qr.channel.is_closed:
                 try:
                     await qr.queue.cancel(qr.consumer_tag)
                 except Exception as exc:
                     errors.append(exc)
-        for task in self._intake_tasks:
-            task.cancel()
-        if self._intake_tasks:
-            await asyncio.wait(self._intake_tasks)
         for qr in self.queues.values():
             while qr.buffer:
                 await self._return_unstarted(qr.buffer.popleft())
@@ -267,56 +280,85 @@ class Runtime:
 
     # -- one delivery -------------------------------------------------------------------
 
-    async def _deliver(self, qr: QueueRuntime, message: aio_pika.abc.AbstractIncomingMessage, generation: int) -> None:
-        received_at = time.time()
-        started = time.monotonic()
-        qr.in_flight += 1
-        envelope: Envelope | None = None
-        route: HandlerRoute | None = None
-        execution = Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_FAILED, "not run"))
-        evidence = Evidence()
+    def _forget_delivery(self, task: asyncio.Task[Any]) -> None:
+        self.deliveries.pop(task, None)
+
+    async def _deliver(self, state: _Delivery) -> None:
+        """One delivery: prepare, execute (inline, under the deadline timer), settle, observe."""
+        qr, message = state.qr, state.message
         step: Step | None = None
+        evidence: Evidence | None = None
         try:
             prepared = self._prepare(qr, message)
             if isinstance(prepared, _Prepared):
-                envelope, route = prepared.delivery.envelope, prepared.route
-                execution = await self._execute_with_deadline(qr, prepared)
+                state.envelope, state.route = prepared.delivery.envelope, prepared.route
+                state.execution = await self._execute_under_deadline(state, prepared)
+                if state.dropped:
+                    return  # the drop path settles it; this late result is discarded
             else:
-                execution = Execution(prepared[0])
-                envelope = prepared[1]
-            step, evidence = await self._settle(qr, message, envelope, execution)
+                state.execution = Execution(prepared[0])
+                state.envelope = prepared[1]
+            step, evidence = await self._settle(qr, message, state.envelope, state.execution)
         finally:
-            qr.in_flight -= 1
-            qr.permits.release()
-            terminal = step.terminal.value if step is not None and step.terminal else Terminal.UNRESOLVED.value
-            if step is None:
-                qr.counters.unresolved += 1
-            qr.counters.outcomes[terminal] += 1
-            if self.shutting_down:
-                self.settled_during_shutdown[terminal] += 1
-            qr.counters.transient_replays += execution.transient_replays
-            qr.counters.reconciliations += execution.reconciliations
-            self.observations.append(
-                TerminalObservation(
-                    queue=qr.options.name,
-                    handler_id=route.handler_id if route else None,
-                    event_id=envelope.event_id if envelope else None,
-                    outcome=terminal,
-                    code=(step.code if step is not None else None) or execution.result.code,
-                    reason=truncate_utf8(
-                        step.reason if step is not None and step.reason else execution.result.reason,
-                        BOUNDS.failure_reason_bytes,
-                    ),
-                    handoff_confirmed=evidence.handoff is HandoffState.CONFIRMED,
-                    ack_sent=evidence.settled_with is StepKind.ACK and evidence.settle is SettleState.SENT,
-                    broker_native=evidence.settled_with is StepKind.REJECT,
-                    attempts=execution.attempts,
-                    transient_replays=execution.transient_replays,
-                    reconciliations=execution.reconciliations,
-                    received_at=received_at,
-                    duration=time.monotonic() - started,
-                )
+            if not state.dropped:
+                self._finish(state, step, evidence)
+
+    def _finish(self, state: _Delivery, step: Step | None, evidence: Evidence | None) -> None:
+        """Release the permit and record the terminal observation: exactly once per delivery."""
+        if state.finished:
+            return
+        state.finished = True
+        qr = state.qr
+        qr.in_flight -= 1
+        self._release_permit(qr)
+        evidence = evidence or Evidence()
+        execution = state.execution or Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_FAILED, ""))
+        terminal = step.terminal.value if step is not None and step.terminal else Terminal.UNRESOLVED.value
+        if step is None:
+            qr.counters.unresolved += 1
+        qr.counters.outcomes[terminal] += 1
+        if self.shutting_down:
+            self.settled_during_shutdown[terminal] += 1
+        qr.counters.transient_replays += execution.transient_replays
+        qr.counters.reconciliations += execution.reconciliations
+        if step is not None and step.reason:
+            reason = step.reason
+        elif step is None and execution.result.outcome is Outcome.SUCCESS:
+            reason = "not settled: settlement authority was lost or revoked"
+        else:
+            reason = execution.result.reason
+        self.observations.append(
+            TerminalObservation(
+                queue=qr.options.name,
+                handler_id=state.route.handler_id if state.route else None,
+                event_id=state.envelope.event_id if state.envelope else None,
+                outcome=terminal,
+                code=(step.code if step is not None else None) or execution.result.code,
+                reason=truncate_utf8(reason, BOUNDS.failure_reason_bytes),
+                handoff_confirmed=evidence.handoff is HandoffState.CONFIRMED,
+                ack_sent=evidence.settled_with is StepKind.ACK and evidence.settle is SettleState.SENT,
+                broker_native=evidence.settled_with is StepKind.REJECT,
+                attempts=execution.attempts,
+                transient_replays=execution.transient_replays,
+                reconciliations=execution.reconciliations,
+                received_at=state.received_at,
+                duration=time.monotonic() - state.started,
             )
+        )
+
+    def unsettled(self) -> set[asyncio.Task[Any]]:
+        """Delivery tasks whose delivery has not reached a terminal outcome yet (zombies excluded)."""
+        return {task for task, state in self.deliveries.items() if not state.finished}
+
+    def abandon_unfinished(self) -> int:
+        """After a forced shutdown: record every delivery that could not settle as unresolved."""
+        count = 0
+        for state in list(self.deliveries.values()):
+            if not state.finished:
+                state.dropped = True
+                self._finish(state, None, None)
+                count += 1
+        return count
 
     def _prepare(
         self, qr: QueueRuntime, message: aio_pika.abc.AbstractIncomingMessage
@@ -348,51 +390,83 @@ class Runtime:
             exchange=message.exchange or "",
         )
         terminal = target.terminal
+        payload: Any = NOT_DECODED
         if terminal is not None and terminal.extractor is not None:
             try:
-                terminal.extractor.extract(delivery)
+                payload = terminal.extractor.extract(delivery)
             except PayloadDecodeError as exc:
                 return PipelineResult(Outcome.PERMANENT, ErrorCode.PAYLOAD_DECODE_FAILED, str(exc)), envelope
             except Exception as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 return PipelineResult(Outcome.PERMANENT, ErrorCode.PAYLOAD_DECODE_FAILED, reason), envelope
-        return _Prepared(target, delivery)
+        return _Prepared(target, delivery, payload)
 
-    async def _execute_with_deadline(self, qr: QueueRuntime, prepared: _Prepared) -> Execution:
-        """Run the execution under the delivery cutoff; on cutoff cancel, cooperate, then drop."""
-        options = qr.options
-        task = self.tasks.spawn(self._execute(qr, prepared), name="lily-execution")
-        self.execution_tasks.add(task)
-        task.add_done_callback(self.execution_tasks.discard)
+    async def _execute_under_deadline(self, state: _Delivery, prepared: _Prepared) -> Execution:
+        """Run the execution in this task; at the cutoff cancel it, then after the cooperation
+        window drop it (settle from another task) if it ignores the cancellation."""
+        options = state.qr.options
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        state.executing = True
+        timer = loop.call_later(options.deadline, self._deadline_reached, state, task)
         try:
-            done, _ = await asyncio.wait({task}, timeout=options.deadline)
-            if not done:
-                task.cancel()
-                done, _ = await asyncio.wait({task}, timeout=options.cooperation_window)
-                if not done:
-                    qr.counters.abandoned += 1
+            return await self._execute(state.qr, prepared)
+        except asyncio.CancelledError:
+            if self.revoked or not (state.deadline_hit or self.forcing):
+                raise
+            if task.uncancel() > 0:
+                raise  # cancelled by someone else as well
+            if state.deadline_hit:
                 reason = f"handler exceeded the delivery deadline of {options.deadline:g} s"
                 return Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_TIMEOUT, reason), attempts=1)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if task.cancelled():
-            if self.forcing:
-                # A forced shutdown is an infrastructure event, not an application failure:
-                # requeue without spending a retry.
-                reason = "cancelled by a forced shutdown"
-                return Execution(PipelineResult(Outcome.DEFERRED, "SHUTDOWN", reason), attempts=1)
-            reason = "execution was cancelled"
-            return Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_TIMEOUT, reason), attempts=1)
-        execution: Execution = task.result()
-        return execution
+            # A forced shutdown is an infrastructure event, not an application failure:
+            # requeue without spending a retry.
+            reason = "cancelled by a forced shutdown"
+            return Execution(PipelineResult(Outcome.DEFERRED, "SHUTDOWN", reason), attempts=1)
+        finally:
+            state.executing = False
+            timer.cancel()
+
+    def interrupt_executions(self) -> None:
+        """The force notice: cancel running handlers; their deliveries may still settle."""
+        self.forcing = True
+        for task, state in list(self.deliveries.items()):
+            if state.executing:
+                task.cancel()
+
+    def _deadline_reached(self, state: _Delivery, task: asyncio.Task[Any]) -> None:
+        if task.done() or not state.executing:
+            return
+        state.deadline_hit = True
+        task.cancel()
+        asyncio.get_running_loop().call_later(state.qr.options.cooperation_window, self._cooperation_over, state, task)
+
+    def _cooperation_over(self, state: _Delivery, task: asyncio.Task[Any]) -> None:
+        if task.done() or not state.executing or state.dropped or state.finished:
+            return
+        # The handler ignores cancellation: drop it and settle the delivery elsewhere.
+        state.dropped = True
+        state.qr.counters.abandoned += 1
+        reason = f"handler exceeded the delivery deadline of {state.qr.options.deadline:g} s and was dropped"
+        state.execution = Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_TIMEOUT, reason), attempts=1)
+        self.tasks.spawn(self._settle_dropped(state), name="lily-dropped")
+
+    async def _settle_dropped(self, state: _Delivery) -> None:
+        step: Step | None = None
+        evidence: Evidence | None = None
+        try:
+            assert state.execution is not None
+            step, evidence = await self._settle(state.qr, state.message, state.envelope, state.execution)
+        finally:
+            self._finish(state, step, evidence)
 
     async def _execute(self, qr: QueueRuntime, prepared: _Prepared) -> Execution:
         route = prepared.route
         if route.guarantee == "inbox":
             assert self.inbox is not None
-            return await self.inbox.execute(self, qr, prepared.route, prepared.delivery)
-        result = await self.run_attempt(qr, route, prepared.delivery, attempt=1, scope=None)
+            return await self.inbox.execute(self, qr, prepared.route, prepared.delivery, prepared.payload)
+        result = await self.run_attempt(qr, route, prepared.delivery, attempt=1, scope=None, payload=prepared.payload)
         return Execution(result, attempts=1)
 
     async def run_attempt(
@@ -403,6 +477,7 @@ class Runtime:
         *,
         attempt: int,
         scope: MongoScope | None,
+        payload: Any = NOT_DECODED,
     ) -> PipelineResult:
         """One fresh middleware/guards/handler invocation; exceptions become a verdict.
 
@@ -411,7 +486,7 @@ class Runtime:
         """
         ctx = DeliveryContext(qr.options.name, route, delivery, attempt)
         try:
-            await self._invoke(ctx, scope)
+            await self._invoke(ctx, scope, payload)
         except QueueHandlerError as exc:
             outcome = Outcome.RETRYABLE if exc.is_retryable else Outcome.PERMANENT
             return PipelineResult(outcome, truncate_utf8(exc.code, BOUNDS.failure_code_bytes), exc.message)
@@ -422,16 +497,21 @@ class Runtime:
             return PipelineResult(outcome, ErrorCode.HANDLER_FAILED, f"{type(exc).__name__}: {exc}")
         return PipelineResult(Outcome.SUCCESS)
 
-    async def _invoke(self, ctx: DeliveryContext, scope: MongoScope | None) -> None:
+    async def _invoke(self, ctx: DeliveryContext, scope: MongoScope | None, payload: Any) -> None:
         route = ctx.handler
         delivery = ctx.delivery
 
         async def call_handler() -> None:
             for guard in route.guards:
                 await guard(ctx)
-            kwargs = {
-                p.name: (scope if p.extractor is None else p.extractor.extract(delivery)) for p in route.parameters
-            }
+            kwargs: dict[str, Any] = {}
+            for p in route.parameters:
+                if p.extractor is None:
+                    kwargs[p.name] = scope
+                elif p.extractor.terminal and payload is not NOT_DECODED:
+                    kwargs[p.name] = payload  # decoded once in _prepare (first attempt only)
+                else:
+                    kwargs[p.name] = p.extractor.extract(delivery)
             await route.fn(**kwargs)
 
         call: Callable[[], Awaitable[None]] = call_handler
@@ -467,7 +547,8 @@ class Runtime:
         if result.outcome is Outcome.DEFERRED:
             qr.counters.deferrals += 1
         while True:
-            step = decide(result, budget, dataclasses.replace(evidence, authority=self._authority(message)))
+            evidence = Evidence(evidence.handoff, evidence.settle, self._authority(message), evidence.settled_with)
+            step = decide(result, budget, evidence)
             if step.kind in (StepKind.DONE, StepKind.UNRESOLVED):
                 if step.kind is StepKind.UNRESOLVED:
                     qr.counters.unresolved += 1
@@ -475,14 +556,14 @@ class Runtime:
             if step.kind in (StepKind.PUBLISH_RETRY, StepKind.PUBLISH_DLQ):
                 try:
                     await self._handoff(qr, message, envelope, step, budget)
-                    evidence = dataclasses.replace(evidence, handoff=HandoffState.CONFIRMED)
+                    evidence = Evidence(HandoffState.CONFIRMED, evidence.settle, True, evidence.settled_with)
                     qr.handoff_failures.pop(key, None)
                     if step.kind is StepKind.PUBLISH_DLQ:
                         qr.dlq_unroutable = False
                 except PublishError as exc:
                     to_dlq = step.kind is StepKind.PUBLISH_DLQ
                     log.warning("handoff to %s failed: %s", "the DLQ" if to_dlq else "a retry bucket", exc.kind)
-                    evidence = dataclasses.replace(evidence, handoff=HandoffState.FAILED)
+                    evidence = Evidence(HandoffState.FAILED, evidence.settle, True, evidence.settled_with)
                     self._count_handoff_failure(qr, key)
                     if to_dlq and exc.kind == "unroutable":
                         qr.dlq_unroutable = True
@@ -521,8 +602,8 @@ class Runtime:
                 await message.reject(requeue=False)
         except Exception as exc:
             log.warning("settlement %s failed: %s", kind.value, type(exc).__name__)
-            return dataclasses.replace(evidence, settle=SettleState.FAILED, settled_with=kind)
-        return dataclasses.replace(evidence, settle=SettleState.SENT, settled_with=kind)
+            return Evidence(evidence.handoff, SettleState.FAILED, evidence.authority, kind)
+        return Evidence(evidence.handoff, SettleState.SENT, evidence.authority, kind)
 
     async def _handoff(
         self,

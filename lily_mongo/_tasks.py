@@ -1,0 +1,27 @@
+"""Small asyncio helpers shared by the supervisor and the connection code."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+__all__ = ["uncancellable"]
+
+
+async def uncancellable[T](awaitable: Awaitable[T]) -> T:
+    """Await to completion even if the awaiting task is cancelled meanwhile; re-deliver the cancel after."""
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+            continue
+        if cancelled:
+            current = asyncio.current_task()
+            if current is not None:
+                current.cancel()
+        return result

@@ -1,0 +1,1058 @@
+"""Lifecycle against the real broker: cancellation, shutdown, deadlines, reconnects, observation (SPEC section 6)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from typing import Any
+
+import aio_pika
+import aio_pika.abc
+import aiormq.exceptions
+import pytest
+import yarl
+from pymongo import AsyncMongoClient
+from pymongo.errors import InvalidOperation
+
+from lily_mongo import (
+    Consumer,
+    EventId,
+    Json,
+    ManagedConsumer,
+    MongoScope,
+    Publisher,
+    Redelivered,
+    RetryPolicy,
+    ShutdownReport,
+    TerminalObservation,
+    queue,
+)
+from tests.support import BrokerNames, drain, queue_depth, wait_for_depth
+
+Body = Json[dict[str, Any]]
+
+needs_rabbitmqctl = pytest.mark.skipif(
+    shutil.which("rabbitmqctl") is None, reason="needs rabbitmqctl for the broker under test"
+)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _with_query(url: str, **params: str) -> str:
+    """The URL with extra query parameters (aio-pika reads ``name`` and ``reconnect_interval`` from it)."""
+    return str(yarl.URL(url).update_query(params))
+
+
+def _connection_name() -> str:
+    return f"lily-lifecycle-{uuid.uuid4().hex[:10]}"
+
+
+async def _eventually(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def _consumer_count(connection: aio_pika.abc.AbstractConnection, name: str) -> int | None:
+    """Consumers attached to ``name`` (passive declare); None if the queue does not exist."""
+    channel = await connection.channel()
+    try:
+        declared = await channel.declare_queue(name, passive=True)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return None
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    count = declared.declaration_result.consumer_count
+    assert count is not None
+    return int(count)
+
+
+async def _queue_exists(connection: aio_pika.abc.AbstractConnection, name: str) -> bool:
+    return await _consumer_count(connection, name) is not None
+
+
+async def _rabbitmqctl(*args: str) -> str:
+    process = await asyncio.create_subprocess_exec(
+        "rabbitmqctl", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, err.decode(errors="replace")
+    return out.decode(errors="replace")
+
+
+async def _broker_connection_pids(connection_name: str) -> list[str]:
+    """Broker-side pids of the connections whose client-provided name is ``connection_name``."""
+    out = await _rabbitmqctl("list_connections", "-q", "--no-table-headers", "pid", "client_properties")
+    marker = f'{{"connection_name","{connection_name}"}}'
+    return [line.split("\t", 1)[0] for line in out.splitlines() if marker in line]
+
+
+def _outcomes(managed: ManagedConsumer, event_id: uuid.UUID) -> list[str]:
+    return [o.outcome for o in managed.delivery_terminal_observations() if o.event_id == event_id]
+
+
+def _observation(managed: ManagedConsumer, event_id: uuid.UUID) -> TerminalObservation:
+    [observation] = [o for o in managed.delivery_terminal_observations() if o.event_id == event_id]
+    return observation
+
+
+def _new_tasks(before: set[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
+    current = asyncio.current_task()
+    return {t for t in asyncio.all_tasks() - before if t is not current and not t.done()}
+
+
+async def _close_leaked_connections(before: set[asyncio.Task[Any]]) -> None:
+    """Test hygiene only: close AMQP connections whose tasks outlived a cancelled start."""
+    for task in _new_tasks(before):
+        frame = getattr(task.get_coro(), "cr_frame", None)
+        owner = frame.f_locals.get("self") if frame is not None else None
+        if isinstance(owner, aio_pika.abc.AbstractConnection) and not owner.is_closed:
+            await owner.close()
+
+
+def _walk(value: Any) -> Iterator[Any]:
+    """Every leaf (and every key) of a dataclass / mapping / sequence tree."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield f.name
+            yield from _walk(getattr(value, f.name))
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _walk(key)
+            yield from _walk(item)
+    elif isinstance(value, list | tuple | set | frozenset):
+        for item in value:
+            yield from _walk(item)
+    else:
+        yield value
+
+
+class Gate:
+    """Lets a test hold handlers inside their call and release them, with bounded waits."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+        self.finished = 0
+        self.cancelled = 0
+        self.release = asyncio.Event()
+
+    async def hold(self, limit: float = 10.0) -> None:
+        self.entered += 1
+        try:
+            async with asyncio.timeout(limit):
+                await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        self.finished += 1
+
+
+# -- cancellation rules -------------------------------------------------------------------------
+
+
+@needs_rabbitmqctl
+async def test_cancel_start_while_connecting_leaves_nothing_running(
+    amqp: str, amqp_connection: aio_pika.abc.AbstractConnection, names: BrokerNames
+) -> None:
+    q = names.queue("cancel-connect")
+    connection_name = _connection_name()
+    consumer = Consumer(amqp_url=_with_query(amqp, name=connection_name), name="t")
+    consumer.configure_queue(q)
+
+    @queue(q, version=1)
+    async def handler(body: Body) -> None:
+        pass
+
+    consumer.include(handler)
+    before = asyncio.all_tasks()
+    try:
+        task = asyncio.create_task(consumer.start())
+        await asyncio.sleep(0)  # the task is inside connect_amqp now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)  # long enough for a leaked background connect to finish
+        assert await _broker_connection_pids(connection_name) == []
+        assert _new_tasks(before) == set()
+        assert await _consumer_count(amqp_connection, q) in (None, 0)
+        assert "state=stopped" in repr(consumer)
+    finally:
+        await _close_leaked_connections(before)
+
+
+@needs_rabbitmqctl
+async def test_cancel_start_while_declaring_a_large_topology_tears_down(
+    amqp: str, amqp_connection: aio_pika.abc.AbstractConnection, names: BrokerNames
+) -> None:
+    # Four queues with 32 retry buckets each: 136 declarations, each on its own channel.
+    queues = [names.queue(f"cancel-declare-{i}") for i in range(4)]
+    connection_name = _connection_name()
+    consumer = Consumer(amqp_url=_with_query(amqp, name=connection_name), name="t")
+    for q in queues:
+        consumer.configure_queue(q, retry=RetryPolicy(max_retries=32, delays=tuple(1.0 + i for i in range(32))))
+
+        @queue(q, version=1)
+        async def handler(body: Body) -> None:
+            pass
+
+        consumer.include(handler)
+    before = asyncio.all_tasks()
+    try:
+        task = asyncio.create_task(consumer.start())
+        # Cancel once the second queue is declared: the topology is half done.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not await _queue_exists(amqp_connection, queues[1]):
+            assert not task.done(), "start() finished before the test could cancel it"
+            assert loop.time() < deadline
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not await _queue_exists(amqp_connection, f"{queues[3]}.dlq"), "start() got further than expected"
+        assert await _broker_connection_pids(connection_name) == []
+        assert _new_tasks(before) == set()
+        for q in queues:
+            assert await _consumer_count(amqp_connection, q) in (None, 0)
+        assert "state=stopped" in repr(consumer)
+        with pytest.raises(ValueError, match="stopped"):
+            await consumer.start()
+    finally:
+        await _close_leaked_connections(before)
+
+
+@pytest.mark.parametrize("cancels", [1, 2], ids=["cancel-once", "cancel-twice"])
+async def test_cancel_run_drains_in_flight_work_before_propagating(
+    cancels: int,
+    amqp: str,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    names: BrokerNames,
+) -> None:
+    q = names.queue("cancel-run")
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, concurrency=1, prefetch=1)
+    entered = asyncio.Event()
+    finished: list[uuid.UUID] = []
+
+    @queue(q, version=1)
+    async def handler(body: Body, event_id: EventId) -> None:
+        entered.set()
+        await asyncio.sleep(0.8)
+        finished.append(event_id)
+
+    consumer.include(handler)
+    run = asyncio.create_task(consumer.run())
+    await _eventually(lambda: "state=running" in repr(consumer), what="the consumer to run")
+    async with Publisher(amqp) as publisher:
+        event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+    async with asyncio.timeout(10):
+        await entered.wait()
+    run.cancel()
+    if cancels == 2:
+        await asyncio.sleep(0.1)
+        run.cancel()  # a second cancel while shutting down does not cut the shutdown short
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    # Graceful shutdown completed before the cancellation surfaced.
+    assert finished == [event_id]
+    assert await queue_depth(amqp_channel, q) == 0  # ACKed: an unacked delivery would be back in the queue
+    assert await _consumer_count(amqp_connection, q) == 0
+    assert "state=stopped" in repr(consumer)
+
+
+async def test_run_with_cancellation_event_returns_a_successful_report(
+    amqp: str,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    names: BrokerNames,
+) -> None:
+    q = names.queue("run-event")
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, concurrency=1, prefetch=1)
+    seen: list[uuid.UUID] = []
+
+    @queue(q, version=1)
+    async def handler(body: Body, event_id: EventId) -> None:
+        seen.append(event_id)
+
+    consumer.include(handler)
+    stop = asyncio.Event()
+    run = asyncio.create_task(consumer.run_with_cancellation(stop))
+    await _eventually(lambda: "state=running" in repr(consumer), what="the consumer to run")
+    async with Publisher(amqp) as publisher:
+        event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+    await _eventually(lambda: seen == [event_id], what="the delivery")
+    stop.set()
+    async with asyncio.timeout(10):
+        report = await run
+    assert isinstance(report, ShutdownReport)
+    assert report.succeeded is True
+    assert report.forced is False
+    assert report.unresolved == 0
+    assert await queue_depth(amqp_channel, q) == 0
+    assert await _consumer_count(amqp_connection, q) == 0
+
+
+async def test_cancel_run_with_cancellation_after_the_event_still_waits_for_the_shutdown(
+    amqp: str,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    names: BrokerNames,
+) -> None:
+    q = names.queue("run-event-cancel")
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, concurrency=1, prefetch=1)
+    entered = asyncio.Event()
+    finished: list[uuid.UUID] = []
+
+    @queue(q, version=1)
+    async def handler(body: Body, event_id: EventId) -> None:
+        entered.set()
+        await asyncio.sleep(0.8)
+        finished.append(event_id)
+
+    consumer.include(handler)
+    stop = asyncio.Event()
+    run = asyncio.create_task(consumer.run_with_cancellation(stop))
+    await _eventually(lambda: "state=running" in repr(consumer), what="the consumer to run")
+    async with Publisher(amqp) as publisher:
+        event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+    async with asyncio.timeout(10):
+        await entered.wait()
+    stop.set()
+    await asyncio.sleep(0.1)  # the graceful shutdown is draining the held delivery
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    finished_when_cancel_surfaced = list(finished)
+    stopped_when_cancel_surfaced = "state=stopped" in repr(consumer)
+    # Hygiene: let a shutdown that went on in the background finish before asserting.
+    await _eventually(lambda: "state=stopped" in repr(consumer), what="the shutdown to end")
+    assert finished_when_cancel_surfaced == [event_id]
+    assert stopped_when_cancel_surfaced
+    assert await queue_depth(amqp_channel, q) == 0
+    assert await _consumer_count(amqp_connection, q) == 0
+
+
+async def test_cancelling_wait_does_not_stop_the_consumer(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("cancel-wait")
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, concurrency=1, prefetch=1)
+    seen: list[uuid.UUID] = []
+
+    @queue(q, version=1)
+    async def handler(body: Body, event_id: EventId) -> None:
+        seen.append(event_id)
+
+    consumer.include(handler)
+    managed = await consumer.start()
+    try:
+        waiter = asyncio.create_task(managed.wait())
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert managed.state == "running"
+        async with Publisher(amqp) as publisher:
+            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        await _eventually(lambda: _outcomes(managed, event_id) == ["acked"], what="the ACK")
+        assert seen == [event_id]
+        assert await queue_depth(amqp_channel, q) == 0
+    finally:
+        report = await managed.shutdown()
+    assert report.succeeded is True
+
+
+async def test_cancelling_shutdown_does_not_cancel_the_supervisor(
+    amqp: str,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    names: BrokerNames,
+) -> None:
+    q = names.queue("cancel-shutdown")
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, concurrency=1, prefetch=1)
+    gate = Gate()
+
+    @queue(q, version=1)
+    async def handler(body: Body) -> None:
+        await gate.hold()
+
+    consumer.include(handler)
+    managed = await consumer.start()
+    async with Publisher(amqp) as publisher:
+        event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+    await _eventually(lambda: gate.entered == 1, what="the handler")
+    shutdown = asyncio.create_task(managed.shutdown())
+    await asyncio.sleep(0.1)
+    shutdown.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await shutdown
+    assert managed.state == "draining"  # still draining the held delivery
+    gate.release.set()
+    async with asyncio.timeout(10):
+        report = await managed.wait()
+    assert report.succeeded is True
+    assert dict(report.settled) == {"acked": 1}
+    assert _outcomes(managed, event_id) == ["acked"]
+    assert gate.finished == 1
+    assert managed.state == "stopped"
+    assert await queue_depth(amqp_channel, q) == 0
+    assert await _consumer_count(amqp_connection, q) == 0
+
+
+# -- graceful and forced shutdown ---------------------------------------------------------------
+
+
+async def test_graceful_shutdown_waits_for_eight_slow_handlers(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("graceful")
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, concurrency=8, prefetch=8)
+    entered: list[uuid.UUID] = []
+    finished: list[uuid.UUID] = []
+
+    @queue(q, version=1)
+    async def handler(body: Body, event_id: EventId) -> None:
+        entered.append(event_id)
+        await asyncio.sleep(1.0)
+        finished.append(event_id)
+
+    consumer.include(handler)
+    managed = await consumer.start()
+    async with Publisher(amqp) as publisher:
+        event_ids = {await publisher.publish_json(q, {"n": n}, version=1) for n in range(8)}
+    await _eventually(lambda: len(entered) == 8, what="eight handlers in flight")
+    started = time.monotonic()
+    report = await managed.shutdown()
+    took = time.monotonic() - started
+    assert took >= 0.5  # it waited for the handlers (each sleeps 1 s)
+    assert set(finished) == event_ids
+    assert report.succeeded is True
+    assert report.forced is False
+    assert report.unresolved == 0
+    assert dict(report.settled) == {"acked": 8}
+    observations = managed.delivery_terminal_observations()
+    assert sorted(o.outcome for o in observations) == ["acked"] * 8
+    assert {o.event_id for o in observations} == event_ids
+    assert all(o.ack_sent for o in observations)
+    assert await queue_depth(amqp_channel, q) == 0
+
+
+async def test_forced_shutdown_reports_a_stubborn_delivery_unresolved_and_the_broker_redelivers_it(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("forced")
+    graceful, force = 0.5, 0.5
+    consumer = Consumer(amqp_url=amqp, name="t", graceful_timeout=graceful, force_timeout=force)
+    consumer.configure_queue(q, concurrency=1, prefetch=1, deadline=60.0)
+    entered = asyncio.Event()
+    stubborn_done = asyncio.Event()
+    give_up = asyncio.Event()
+    cancels = 0
+
+    @queue(q, version=1)
+    async def stubborn(body: Body) -> None:
+        nonlocal cancels
+        entered.set()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 8.0  # bounded: the test cannot hang on it
+        try:
+            while not give_up.is_set() and loop.time() < until:
+                try:
+                    await asyncio.sleep(0.05)
+                except asyncio.CancelledError:
+                    cancels += 1  # deliberately ignores cancellation
+        finally:
+            stubborn_done.set()
+
+    consumer.include(stubborn)
+    managed = await consumer.start()
+    try:
+        async with Publisher(amqp) as publisher:
+            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        async with asyncio.timeout(10):
+            await entered.wait()
+        started = time.monotonic()
+        report = await managed.shutdown()
+        took = time.monotonic() - started
+        assert graceful <= took <= graceful + 2 * force + 1.5
+        assert cancels >= 1  # the force notice reached the handler
+        assert report.forced is True
+        assert report.succeeded is False
+        assert report.unresolved >= 1
+        assert report.settled.get("acked", 0) == 0
+        assert _outcomes(managed, event_id) == ["unresolved"]
+        forced = report.action("force")
+        assert forced.ok is True
+        assert forced.observed is False  # the stubborn task did not end
+        assert report.action("drain").observed is False
+        assert managed.state == "stopped"
+        # The connection is closed: the unacked delivery is back in the queue.
+        assert await wait_for_depth(amqp_channel, q, 1) == 1
+    finally:
+        give_up.set()
+        async with asyncio.timeout(10):
+            await stubborn_done.wait()
+
+    second = Consumer(amqp_url=amqp, name="t2")
+    second.configure_queue(q, concurrency=1, prefetch=1)
+    seen: list[tuple[uuid.UUID, bool]] = []
+
+    @queue(q, version=1)
+    async def handler(body: Body, event_id: EventId, redelivered: Redelivered) -> None:
+        seen.append((event_id, redelivered))
+
+    second.include(handler)
+    managed2 = await second.start()
+    try:
+        await _eventually(lambda: _outcomes(managed2, event_id) == ["acked"], what="the redelivery")
+    finally:
+        report2 = await managed2.shutdown()
+    assert seen == [(event_id, True)]
+    assert report2.succeeded is True
+    assert await queue_depth(amqp_channel, q) == 0
+
+
+async def test_signals_first_requests_graceful_shutdown_second_forces(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("signals")
+    consumer = Consumer(amqp_url=amqp, name="t", graceful_timeout=30.0, force_timeout=1.0)
+    consumer.configure_queue(q, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=1, delays=(30.0,)))
+    gate = Gate()
+
+    @queue(q, version=1)
+    async def handler(body: Body) -> None:
+        await gate.hold()
+
+    consumer.include(handler)
+    managed = await consumer.start()
+    uninstall = managed.install_signal_handlers()
+    try:
+        async with Publisher(amqp) as publisher:
+            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        await _eventually(lambda: gate.entered == 1, what="the handler")
+        os.kill(os.getpid(), signal.SIGTERM)
+        await _eventually(lambda: managed.state == "draining", what="a graceful shutdown")
+        await asyncio.sleep(0.1)
+        assert managed.state == "draining"  # the first signal does not force
+        assert gate.cancelled == 0
+        os.kill(os.getpid(), signal.SIGINT)
+        async with asyncio.timeout(10):
+            report = await managed.wait()
+    finally:
+        uninstall()
+    assert report.forced is True
+    assert gate.cancelled == 1  # the force notice cancelled the handler
+    assert report.action("force").observed is True
+    assert report.unresolved == 0
+    assert report.succeeded is True
+    # A handler cut short by the force notice is an infrastructure event, not an application
+    # failure: the delivery is requeued (still with authority) without spending a retry.
+    observation = _observation(managed, event_id)
+    assert (observation.outcome, observation.code) == ("deferred", "SHUTDOWN")
+    assert observation.handoff_confirmed is False
+    assert dict(report.settled) == {"deferred": 1}
+    assert await queue_depth(amqp_channel, f"{q}.retry.0") == 0
+    [message] = await drain(amqp_channel, q)
+    assert message.headers["x-lily-event-id"] == str(event_id)
+    assert message.headers.get("x-retry-count", 0) == 0
+
+
+# -- the delivery deadline ----------------------------------------------------------------------
+
+
+async def test_delivery_deadline_cancels_the_handler_and_hands_off_a_retry(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("deadline")
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(
+        q,
+        concurrency=1,
+        prefetch=1,
+        deadline=0.3,
+        cooperation_window=0.2,
+        retry=RetryPolicy(max_retries=2, delays=(30.0,)),
+    )
+    cancelled = asyncio.Event()
+
+    @queue(q, version=1)
+    async def handler(body: Body) -> None:
+        try:
+            await asyncio.sleep(5.0)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    consumer.include(handler)
+    managed = await consumer.start()
+    try:
+        async with Publisher(amqp) as publisher:
+            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        await _eventually(lambda: bool(_outcomes(managed, event_id)), what="the terminal outcome")
+    finally:
+        report = await managed.shutdown()
+    observation = _observation(managed, event_id)
+    assert observation.outcome == "retried"
+    assert observation.code == "QUEUE_HANDLER_TIMEOUT"
+    assert observation.handoff_confirmed is True
+    assert observation.ack_sent is True
+    assert 0.3 <= observation.duration < 2.0
+    assert cancelled.is_set()
+    assert managed.snapshot().queues[0].abandoned == 0  # it cooperated within the window
+    assert report.succeeded is True
+    assert await queue_depth(amqp_channel, q) == 0
+    [copy] = await drain(amqp_channel, f"{q}.retry.0")
+    assert copy.headers["x-lily-failure-code"] == "QUEUE_HANDLER_TIMEOUT"
+    assert copy.headers["x-retry-count"] == 1
+    assert copy.headers["x-lily-event-id"] == str(event_id)
+
+
+async def test_delivery_deadline_drops_a_handler_that_ignores_cancellation(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("deadline-drop")
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(
+        q,
+        concurrency=1,
+        prefetch=1,
+        deadline=0.3,
+        cooperation_window=0.2,
+        retry=RetryPolicy(max_retries=2, delays=(30.0,)),
+    )
+    give_up = asyncio.Event()
+    stubborn_done = asyncio.Event()
+
+    @queue(q, version=1)
+    async def stubborn(body: Body) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 8.0
+        try:
+            while not give_up.is_set() and loop.time() < until:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0.05)
+        finally:
+            stubborn_done.set()
+
+    consumer.include(stubborn)
+    managed = await consumer.start()
+    try:
+        async with Publisher(amqp) as publisher:
+            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        await _eventually(lambda: bool(_outcomes(managed, event_id)), what="the terminal outcome")
+        observation = _observation(managed, event_id)
+        # Deadline (0.3 s) + cooperation window (0.2 s), then the task is dropped.
+        assert 0.5 <= observation.duration < 2.0
+        assert (observation.outcome, observation.code) == ("retried", "QUEUE_HANDLER_TIMEOUT")
+        assert managed.snapshot().queues[0].abandoned == 1
+        assert not stubborn_done.is_set()  # dropped, not finished
+    finally:
+        give_up.set()
+        async with asyncio.timeout(10):
+            await stubborn_done.wait()
+        await managed.shutdown()
+    assert await queue_depth(amqp_channel, q) == 0
+    assert await queue_depth(amqp_channel, f"{q}.retry.0") == 1
+
+
+async def test_shutdown_report_does_not_claim_success_while_a_dropped_handler_still_runs(
+    amqp: str, names: BrokerNames
+) -> None:
+    q = names.queue("deadline-leftover")
+    consumer = Consumer(amqp_url=amqp, name="t", force_timeout=0.3)
+    consumer.configure_queue(
+        q,
+        concurrency=1,
+        prefetch=1,
+        deadline=0.2,
+        cooperation_window=0.1,
+        retry=RetryPolicy(max_retries=1, delays=(30.0,)),
+    )
+    give_up = asyncio.Event()
+    stubborn_done = asyncio.Event()
+
+    @queue(q, version=1)
+    async def stubborn(body: Body) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 8.0
+        try:
+            while not give_up.is_set() and loop.time() < until:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0.05)
+        finally:
+            stubborn_done.set()
+
+    consumer.include(stubborn)
+    managed = await consumer.start()
+    try:
+        async with Publisher(amqp) as publisher:
+            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        await _eventually(lambda: _outcomes(managed, event_id) == ["retried"], what="the deadline")
+        report = await managed.shutdown()
+        assert not stubborn_done.is_set()  # the dropped handler outlived the shutdown
+        assert report.succeeded is False
+        assert any(not action.observed for action in report.actions)
+    finally:
+        give_up.set()
+        async with asyncio.timeout(10):
+            await stubborn_done.wait()
+
+
+# -- transport loss -----------------------------------------------------------------------------
+
+
+@needs_rabbitmqctl
+async def test_broker_closed_connection_leaves_old_deliveries_unresolved_and_consuming_resumes(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("conn-close")
+    connection_name = _connection_name()
+    consumer = Consumer(amqp_url=_with_query(amqp, name=connection_name, reconnect_interval="0.2"), name="t")
+    consumer.configure_queue(q, concurrency=2, prefetch=2)
+    gate = Gate()
+    calls: list[tuple[uuid.UUID, bool]] = []
+
+    @queue(q, version=1)
+    async def handler(body: Body, event_id: EventId, redelivered: Redelivered) -> None:
+        calls.append((event_id, redelivered))
+        if not redelivered and body.get("hold"):
+            await gate.hold()
+
+    consumer.include(handler)
+    managed = await consumer.start()
+    try:
+        assert managed.snapshot().transport_generation == 1
+        [pid] = await _broker_connection_pids(connection_name)
+        async with Publisher(amqp) as publisher:
+            held = await publisher.publish_json(q, {"hold": True}, version=1)
+            await _eventually(lambda: gate.entered == 1, what="the held handler")
+            await _rabbitmqctl("close_connection", pid, "lifecycle test")
+            # The broker requeues the unacked delivery; the robust connection reconnects
+            # and the redelivery reaches the handler while the first call still runs.
+            await _eventually(lambda: (held, True) in calls, what="the redelivery")
+            assert managed.snapshot().transport_generation == 2
+            # The redelivery is settled on the new channel while the old call still runs.
+            await _eventually(lambda: _outcomes(managed, held) == ["acked"], what="the redelivery's ACK")
+            gate.release.set()
+            await _eventually(lambda: len(_outcomes(managed, held)) == 2, what="the old delivery to end")
+            fresh = await publisher.publish_json(q, {"n": 2}, version=1)
+            await _eventually(lambda: _outcomes(managed, fresh) == ["acked"], what="a new delivery")
+        old = [o for o in managed.delivery_terminal_observations() if o.event_id == held][-1]
+        assert old.outcome == "unresolved"
+        assert old.ack_sent is False
+        assert calls.count((held, False)) == 1
+        assert managed.snapshot().queues[0].unresolved == 1
+        assert await queue_depth(amqp_channel, q) == 0
+    finally:
+        gate.release.set()
+        report = await managed.shutdown()
+    assert report.succeeded is True
+
+
+@needs_rabbitmqctl
+async def test_transport_loss_is_settled_by_the_decision_table_not_by_a_crash(
+    amqp: str, names: BrokerNames, caplog: pytest.LogCaptureFixture
+) -> None:
+    q = names.queue("conn-close-reason")
+    connection_name = _connection_name()
+    consumer = Consumer(amqp_url=_with_query(amqp, name=connection_name, reconnect_interval="0.2"), name="t")
+    consumer.configure_queue(q, concurrency=2, prefetch=2)
+    gate = Gate()
+
+    @queue(q, version=1)
+    async def handler(body: Body, redelivered: Redelivered) -> None:
+        if not redelivered:
+            await gate.hold()
+
+    consumer.include(handler)
+    managed = await consumer.start()
+    try:
+        [pid] = await _broker_connection_pids(connection_name)
+        async with Publisher(amqp) as publisher:
+            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        await _eventually(lambda: gate.entered == 1, what="the held handler")
+        await _rabbitmqctl("close_connection", pid, "lifecycle test")
+        await _eventually(lambda: managed.snapshot().transport_generation == 2, what="the reconnect")
+        caplog.clear()
+        gate.release.set()
+        await _eventually(lambda: "unresolved" in _outcomes(managed, event_id), what="the old delivery to end")
+    finally:
+        gate.release.set()
+        await managed.shutdown()
+    [old] = [o for o in managed.delivery_terminal_observations() if o.outcome == "unresolved"]
+    assert "transport lost" in old.reason
+    crashed = [r for r in caplog.records if r.name == "lily_mongo" and r.levelno >= logging.ERROR]
+    assert crashed == []
+
+
+@needs_rabbitmqctl
+async def test_broker_closed_connection_with_the_inbox_applies_the_effect_once(
+    amqp: str,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    names: BrokerNames,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+) -> None:
+    q = names.queue("conn-close-inbox")
+    connection_name = _connection_name()
+    consumer = Consumer(
+        amqp_url=_with_query(amqp, name=connection_name, reconnect_interval="0.2"),
+        name="t",
+        mongo_client=mongo_client,
+        database=database_name,
+    )
+    consumer.configure_queue(q, concurrency=1, prefetch=1)
+    gate = Gate()
+    runs: list[uuid.UUID] = []
+
+    @queue(q, version=1)
+    async def handler(body: Body, event_id: EventId, mongo: MongoScope) -> None:
+        runs.append(event_id)
+        await mongo.database["effects"].insert_one({"event": str(event_id)}, session=mongo.session)
+        if len(runs) == 1:
+            await gate.hold()
+
+    consumer.include(handler)
+    managed = await consumer.start()
+    try:
+        [pid] = await _broker_connection_pids(connection_name)
+        async with Publisher(amqp) as publisher:
+            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        await _eventually(lambda: gate.entered == 1, what="the held handler")
+        await _rabbitmqctl("close_connection", pid, "lifecycle test")
+        await _eventually(lambda: managed.snapshot().transport_generation == 2, what="the reconnect")
+        gate.release.set()
+        await _eventually(
+            lambda: bool(_outcomes(managed, event_id)) and _outcomes(managed, event_id)[-1] in ("acked", "duplicate"),
+            timeout=20,
+            what="the redelivery to be settled",
+        )
+        assert "unresolved" in _outcomes(managed, event_id)  # the old generation's delivery
+        assert await wait_for_depth(amqp_channel, q, 0) == 0
+    finally:
+        gate.release.set()
+        report = await managed.shutdown()
+    database = mongo_client[database_name]
+    assert await database["effects"].count_documents({"event": str(event_id)}) == 1
+    assert await database["lily_inbox"].count_documents({"event_id": str(event_id)}) == 1
+    assert report.unresolved == 0
+
+
+# -- observation --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def broker_user() -> AsyncIterator[tuple[str, str]]:
+    """A throwaway broker user with a distinctive password (guest's password equals its name)."""
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("needs rabbitmqctl for the broker under test")
+    user = f"lily-priv-{uuid.uuid4().hex[:8]}"
+    password = f"Pw-{uuid.uuid4().hex}"
+    await _rabbitmqctl("add_user", user, password)
+    try:
+        await _rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
+        yield user, password
+    finally:
+        await _rabbitmqctl("delete_user", user)
+
+
+async def test_snapshot_and_reprs_never_expose_ids_names_endpoints_or_credentials(
+    amqp: str, names: BrokerNames, broker_user: tuple[str, str]
+) -> None:
+    user, password = broker_user
+    parsed = yarl.URL(amqp)
+    url = str(parsed.with_user(user).with_password(password))
+    host_port = f"{parsed.host}:{parsed.port}"
+    q = names.queue("privacy-zebra-queue")
+    consumer = Consumer(amqp_url=url, name="t")
+    consumer.configure_queue(q, concurrency=2, prefetch=4)
+
+    @queue(q, version=1)
+    async def handler(body: Body) -> None:
+        pass
+
+    consumer.include(handler)
+    managed = await consumer.start()
+    event_ids = [uuid.uuid4() for _ in range(3)]
+    try:
+        async with Publisher(amqp) as publisher:
+            for event_id in event_ids:
+                await publisher.publish_json(q, {"n": 1}, version=1, event_id=event_id)
+        await _eventually(lambda: len(managed.delivery_terminal_observations()) == 3, what="three outcomes")
+        snapshot = managed.snapshot()
+        texts = [repr(snapshot), str(snapshot)]
+        texts += [repr(leaf) for leaf in _walk(snapshot)] + [str(leaf) for leaf in _walk(snapshot)]
+        secrets = [q, host_port, password, *(str(e) for e in event_ids), *(e.hex for e in event_ids)]
+        for text in texts:
+            for secret in secrets:
+                assert secret not in text
+        for text in (repr(consumer), repr(managed)):
+            assert password not in text
+        assert "***" in repr(consumer)  # the endpoint is shown, its password redacted
+        assert snapshot.state == "running"
+        assert snapshot.queues[0].outcomes == {"acked": 3}
+        assert snapshot.queues[0].received == 3
+        # Observations are the diagnostic record: they do carry the event ids.
+        assert {o.event_id for o in managed.delivery_terminal_observations()} == set(event_ids)
+    finally:
+        report = await managed.shutdown()
+    for text in (repr(consumer), repr(managed), report.render(), repr(report)):
+        assert password not in text
+
+
+async def test_terminal_observations_keep_the_last_4096(amqp: str, names: BrokerNames) -> None:
+    q = names.queue("cap")
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, concurrency=2, prefetch=4)
+
+    @queue(q, version=1)
+    async def handler(body: Body) -> None:
+        pass
+
+    consumer.include(handler)
+    managed = await consumer.start()
+    try:
+        async with Publisher(amqp) as publisher:
+            real = [await publisher.publish_json(q, {"n": n}, version=1) for n in range(3)]
+        await _eventually(lambda: len(managed.delivery_terminal_observations()) == 3, what="three outcomes")
+        runtime = managed._runtime
+        assert runtime is not None
+        for n in range(5000):
+            runtime.observations.append(
+                TerminalObservation(
+                    queue="synthetic",
+                    handler_id=None,
+                    event_id=None,
+                    outcome="acked",
+                    code=None,
+                    reason="",
+                    handoff_confirmed=False,
+                    ack_sent=True,
+                    broker_native=False,
+                    attempts=n,
+                    transient_replays=0,
+                    reconciliations=0,
+                    received_at=0.0,
+                    duration=0.0,
+                )
+            )
+        observations = managed.delivery_terminal_observations()
+        assert len(observations) == 4096
+        assert not {o.event_id for o in observations} & set(real)  # the oldest (the real ones) were dropped
+        assert [o.attempts for o in observations] == list(range(5000 - 4096, 5000))  # oldest first
+    finally:
+        await managed.shutdown()
+
+
+# -- the shutdown report ------------------------------------------------------------------------
+
+
+async def test_shutdown_report_lists_each_step_with_ok_and_observed(amqp: str, names: BrokerNames) -> None:
+    q = names.queue("report")
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q)
+
+    @queue(q, version=1)
+    async def handler(body: Body) -> None:
+        pass
+
+    consumer.include(handler)
+    managed = await consumer.start()
+    report = await managed.shutdown()
+    assert [a.name for a in report.actions] == [
+        "stop_intake",
+        "drain",
+        "channel_close",
+        "connection_close",
+        "tasks_join",
+    ]
+    for action in report.actions:
+        assert (action.name, action.ok, action.observed, action.error) == (action.name, True, True, None)
+        assert action.duration >= 0.0
+    with pytest.raises(KeyError):
+        report.action("force")
+    assert report.forced is False
+    assert report.unresolved == 0
+    assert dict(report.settled) == {}
+    assert report.succeeded is True
+    assert report.render().startswith("shutdown succeeded; unresolved deliveries: 0")
+    # The supervisor's result is kept: later waits return the same report.
+    assert await managed.wait() is report
+    assert await managed.shutdown() is report
+
+
+async def test_shutdown_leaves_a_caller_owned_mongo_client_open(
+    amqp: str, names: BrokerNames, mongo_client: AsyncMongoClient[Any], database_name: str
+) -> None:
+    q = names.queue("report-inbox")
+    consumer = Consumer(amqp_url=amqp, name="t", mongo_client=mongo_client, database=database_name)
+    consumer.configure_queue(q, concurrency=1, prefetch=1)
+
+    @queue(q, version=1)
+    async def handler(body: Body, event_id: EventId, mongo: MongoScope) -> None:
+        await mongo.database["effects"].insert_one({"event": str(event_id)}, session=mongo.session)
+
+    consumer.include(handler)
+    managed = await consumer.start()
+    try:
+        async with Publisher(amqp) as publisher:
+            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        await _eventually(lambda: _outcomes(managed, event_id) == ["acked"], timeout=20, what="the ACK")
+    finally:
+        report = await managed.shutdown()
+    assert [a.name for a in report.actions] == [
+        "stop_intake",
+        "drain",
+        "relay_stop",
+        "channel_close",
+        "connection_close",
+        "tasks_join",
+    ]
+    assert all(a.ok and a.observed for a in report.actions)
+    assert report.succeeded is True
+    # Caller-owned: still usable after shutdown.
+    assert await mongo_client[database_name]["effects"].count_documents({"event": str(event_id)}) == 1
+
+
+async def test_shutdown_closes_an_owned_mongo_client(
+    amqp: str, names: BrokerNames, mongo_uri: str, database_name: str
+) -> None:
+    client: AsyncMongoClient[Any] = AsyncMongoClient(mongo_uri, serverSelectionTimeoutMS=10_000)
+    q = names.queue("report-owned")
+    consumer = Consumer(amqp_url=amqp, name="t", mongo_client=client, database=database_name, owns_mongo_client=True)
+    consumer.configure_queue(q, concurrency=1, prefetch=1)
+
+    @queue(q, version=1)
+    async def handler(body: Body, mongo: MongoScope) -> None:
+        pass
+
+    consumer.include(handler)
+    try:
+        managed = await consumer.start()
+        report = await managed.shutdown()
+        assert report.actions[-1].name == "mongo_client_close"
+        assert (report.actions[-1].ok, report.actions[-1].observed) == (True, True)
+        assert report.succeeded is True
+        with pytest.raises(InvalidOperation):
+            await client[database_name]["effects"].find_one({})
+    finally:
+        await client.close()

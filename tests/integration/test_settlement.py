@@ -1,0 +1,725 @@
+"""Settlement of the original delivery against the real broker (SPEC section 3), at_least_once guarantee.
+
+One test (or a pair) per row of the decision table. Every test asserts what the
+broker holds afterwards: the depth of ``Q``, ``Q.retry.<n>`` and ``Q.dlq`` and
+the headers of the copies. Depths are read after shutdown, when the consumer's
+channels are closed, so an unacknowledged delivery would be back in ``Q``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import urllib.parse
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aio_pika
+import aio_pika.abc
+import pamqp.decode
+import pydantic
+import pytest
+
+from lily_mongo import (
+    Consumer,
+    EventId,
+    Json,
+    ManagedConsumer,
+    Publisher,
+    QueueHandlerError,
+    Redelivered,
+    RetryCount,
+    RetryPolicy,
+    ShutdownReport,
+    TerminalObservation,
+    queue,
+)
+from tests.support import BrokerNames, drain, queue_depth
+
+LONG_DELAY = 30.0  # long enough to inspect a retry copy in its bucket before the TTL sends it back
+
+
+class Order(pydantic.BaseModel):
+    id: int
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+async def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def wait_observations(managed: ManagedConsumer, count: int, timeout: float = 10.0) -> list[TerminalObservation]:
+    """Wait until ``count`` deliveries have ended; return their observations, oldest first."""
+    await wait_until(
+        lambda: len(managed.delivery_terminal_observations()) >= count,
+        f"{count} terminal observations (have {[o.outcome for o in managed.delivery_terminal_observations()]})",
+        timeout,
+    )
+    return list(managed.delivery_terminal_observations())
+
+
+@contextlib.asynccontextmanager
+async def started(consumer: Consumer) -> AsyncIterator[ManagedConsumer]:
+    managed = await consumer.start()
+    try:
+        yield managed
+    finally:
+        await managed.shutdown()  # idempotent: returns the same report when the test already shut down
+
+
+async def publish_orders(amqp: str, q: str, *ids: int, **options: Any) -> list[uuid.UUID]:
+    async with Publisher(amqp) as publisher:
+        return [await publisher.publish_json(q, {"id": i}, version=1, **options) for i in ids]
+
+
+async def depths(channel: aio_pika.abc.AbstractChannel, *queues: str) -> list[int]:
+    return [await queue_depth(channel, name) for name in queues]
+
+
+def assert_recent_timestamp(text: object) -> None:
+    assert isinstance(text, str)
+    when = datetime.datetime.fromisoformat(text)
+    assert when.tzinfo is not None
+    assert abs((datetime.datetime.now(datetime.UTC) - when).total_seconds()) < 60
+
+
+def lily_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "lily_mongo" and r.levelno >= logging.ERROR]
+
+
+@dataclass
+class Calls:
+    """What a test handler saw, one entry per invocation."""
+
+    ids: list[int] = field(default_factory=list)
+    event_ids: list[uuid.UUID] = field(default_factory=list)
+    retry_counts: list[int] = field(default_factory=list)
+    redelivered: list[bool] = field(default_factory=list)
+
+
+def recording_handler(
+    q: str, calls: Calls, behaviour: Callable[[int], Awaitable[None]]
+) -> Callable[..., Awaitable[None]]:
+    """A json v1 handler on ``q`` that records each call, then runs ``behaviour(call_number)`` (1-based)."""
+
+    @queue(q, version=1, content="json")
+    async def handle(order: Json[Order], event_id: EventId, retry: RetryCount, redelivered: Redelivered) -> None:
+        calls.ids.append(order.id)
+        calls.event_ids.append(event_id)
+        calls.retry_counts.append(retry)
+        calls.redelivered.append(redelivered)
+        await behaviour(len(calls.ids))
+
+    return handle
+
+
+def raising(error: BaseException | None = None, *, times: int | None = None) -> Callable[[int], Awaitable[None]]:
+    """Raise ``error`` on every call (or on the first ``times`` calls); succeed otherwise."""
+
+    async def behaviour(call: int) -> None:
+        if error is not None and (times is None or call <= times):
+            raise error
+
+    return behaviour
+
+
+# -- ACK ---------------------------------------------------------------------------------------------
+
+
+async def test_success_acks_the_original(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("ok")
+    calls = Calls()
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, retry=RetryPolicy(max_retries=2, delays=(0.2,)))
+    consumer.include(recording_handler(q, calls, raising()))
+    async with started(consumer) as managed:
+        [event_id] = await publish_orders(amqp, q, 7)
+        [obs] = await wait_observations(managed, 1)
+        report = await managed.shutdown()
+    assert (obs.outcome, obs.ack_sent, obs.handoff_confirmed, obs.broker_native) == ("acked", True, False, False)
+    assert obs.event_id == event_id
+    assert obs.code is None
+    assert calls.ids == [7]
+    assert calls.retry_counts == [0]
+    assert report.succeeded
+    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 0]
+
+
+# -- retry handoff ---------------------------------------------------------------------------------------
+
+
+async def test_retryable_failure_hands_a_copy_to_the_retry_bucket(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("retry")
+    calls = Calls()
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)))
+    consumer.include(
+        recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY", "stock service down")))
+    )
+    async with started(consumer) as managed:
+        [event_id] = await publish_orders(amqp, q, 7, headers={"x-tenant": "acme"})
+        [obs] = await wait_observations(managed, 1)
+        await managed.shutdown()
+    assert (obs.outcome, obs.handoff_confirmed, obs.ack_sent) == ("retried", True, True)
+    assert obs.code == "APP_BUSY"
+    assert calls.ids == [7]
+    # The original is ACKed; exactly one copy waits in the first bucket.
+    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 1, 0]
+    [copy] = await drain(amqp_channel, f"{q}.retry.0")
+    headers = copy.headers
+    assert headers["x-retry-count"] == 1
+    assert headers["x-lily-event-id"] == str(event_id)
+    assert headers["x-lily-schema-version"] == "1"
+    assert headers["x-lily-content-kind"] == "json"
+    assert headers["x-tenant"] == "acme"
+    assert headers["x-lily-failure-code"] == "APP_BUSY"
+    assert headers["x-lily-failure-reason"] == "stock service down"
+    assert headers["x-lily-failed-queue"] == q
+    assert_recent_timestamp(headers["x-lily-failed-at"])
+    assert copy.body == b'{"id":7}'
+    assert copy.content_type == "application/json"
+
+
+async def test_retry_copy_returns_after_its_ttl_with_the_count_incremented(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("retry-ttl")
+    calls = Calls()
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(0.2,)))
+    consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"), times=2)))
+    async with started(consumer) as managed:
+        [event_id] = await publish_orders(amqp, q, 7)
+        observations = await wait_observations(managed, 3)
+        await managed.shutdown()
+    assert [o.outcome for o in observations] == ["retried", "retried", "acked"]
+    assert calls.retry_counts == [0, 1, 2]
+    assert calls.event_ids == [event_id] * 3
+    assert [o.event_id for o in observations] == [event_id] * 3
+    assert calls.redelivered == [False, False, False]  # a retry copy is a new message, not a redelivery
+    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 0]
+
+
+async def test_retry_count_is_written_as_long_int_on_the_wire(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    q = names.queue("retry-wire")
+    calls = Calls()
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)))
+    consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"))))
+    async with started(consumer) as managed:
+        await publish_orders(amqp, q, 7)
+        await wait_observations(managed, 1)
+        await managed.shutdown()
+
+    # Record the raw bytes of every top-level field table this process decodes
+    # (content header "headers" property included) while reading the bucket copy.
+    raw_tables: list[bytes] = []
+    decode_table = pamqp.decode.METHODS["table"]
+
+    def recording_table(value: bytes) -> tuple[int, Any]:
+        consumed, table = decode_table(value)
+        raw_tables.append(bytes(value[:consumed]))
+        return consumed, table
+
+    monkeypatch.setitem(pamqp.decode.METHODS, "table", recording_table)
+    [copy] = await drain(amqp_channel, f"{q}.retry.0")
+    monkeypatch.undo()
+    assert copy.headers["x-retry-count"] == 1
+    with_count = [raw for raw in raw_tables if b"\x0dx-retry-count" in raw]
+    assert len(with_count) == 1
+    # Key (short string), then type tag "I" (signed 32-bit) and the big-endian value.
+    assert b"\x0dx-retry-countI\x00\x00\x00\x01" in with_count[0]
+
+
+# -- DLQ handoff -----------------------------------------------------------------------------------------
+
+
+async def test_retries_exhausted_go_to_the_dlq(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("exhausted")
+    calls = Calls()
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, retry=RetryPolicy(max_retries=2, delays=(0.1,)))
+    consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY", "still down"))))
+    async with started(consumer) as managed:
+        [event_id] = await publish_orders(amqp, q, 7)
+        observations = await wait_observations(managed, 3)
+        await managed.shutdown()
+    assert [o.outcome for o in observations] == ["retried", "retried", "dead_lettered"]
+    assert observations[-1].code == "QUEUE_RETRIES_EXHAUSTED"
+    assert observations[-1].handoff_confirmed
+    assert calls.retry_counts == [0, 1, 2]
+    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 1]
+    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert copy.headers["x-lily-failure-code"] == "QUEUE_RETRIES_EXHAUSTED"
+    assert copy.headers["x-lily-event-id"] == str(event_id)
+    assert copy.headers["x-retry-count"] == 2
+    assert copy.headers["x-lily-failed-queue"] == q
+    reason = copy.headers["x-lily-failure-reason"]
+    assert isinstance(reason, str)
+    assert 0 < len(reason.encode()) <= 512
+    assert_recent_timestamp(copy.headers["x-lily-failed-at"])
+    assert copy.body == b'{"id":7}'
+
+
+async def test_permanent_failure_goes_to_the_dlq_with_the_handler_code(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("permanent")
+    calls = Calls()
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(0.1,)))
+    error = QueueHandlerError.permanent("ORDER_UNKNOWN", "no order 7 in the catalogue")
+    consumer.include(recording_handler(q, calls, raising(error)))
+    async with started(consumer) as managed:
+        [event_id] = await publish_orders(amqp, q, 7)
+        [obs] = await wait_observations(managed, 1)
+        await managed.shutdown()
+    assert (obs.outcome, obs.code, obs.handoff_confirmed, obs.ack_sent) == (
+        "dead_lettered",
+        "ORDER_UNKNOWN",
+        True,
+        True,
+    )
+    assert calls.ids == [7]
+    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 1]
+    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert copy.headers["x-lily-failure-code"] == "ORDER_UNKNOWN"
+    assert copy.headers["x-lily-failure-reason"] == "no order 7 in the catalogue"
+    assert copy.headers["x-lily-event-id"] == str(event_id)
+    assert copy.headers["x-lily-failed-queue"] == q
+    assert copy.headers["x-retry-count"] == 0
+    assert "x-death" not in copy.headers  # published by the framework, not dead-lettered by the broker
+
+
+async def test_unknown_exception_is_retryable_by_default(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("unknown-retry")
+    calls = Calls()
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, retry=RetryPolicy(max_retries=1, delays=(0.1,)))
+    consumer.include(recording_handler(q, calls, raising(ValueError("boom"))))
+    async with started(consumer) as managed:
+        await publish_orders(amqp, q, 7)
+        observations = await wait_observations(managed, 2)
+        await managed.shutdown()
+    assert [(o.outcome, o.code) for o in observations] == [
+        ("retried", "QUEUE_HANDLER_FAILED"),
+        ("dead_lettered", "QUEUE_RETRIES_EXHAUSTED"),
+    ]
+    assert calls.retry_counts == [0, 1]
+    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 1]
+    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert copy.headers["x-lily-failure-code"] == "QUEUE_RETRIES_EXHAUSTED"
+
+
+async def test_unknown_exception_is_permanent_when_configured(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("unknown-permanent")
+    calls = Calls()
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(0.1,)), unknown_errors="permanent")
+    consumer.include(recording_handler(q, calls, raising(ValueError("boom"))))
+    async with started(consumer) as managed:
+        await publish_orders(amqp, q, 7)
+        [obs] = await wait_observations(managed, 1)
+        await managed.shutdown()
+    assert (obs.outcome, obs.code) == ("dead_lettered", "QUEUE_HANDLER_FAILED")
+    assert calls.ids == [7]
+    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 1]
+    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert copy.headers["x-lily-failure-code"] == "QUEUE_HANDLER_FAILED"
+    reason = copy.headers["x-lily-failure-reason"]
+    assert isinstance(reason, str)
+    assert "ValueError" in reason
+
+
+# -- handoff failure: bounded requeue ----------------------------------------------------------------------
+
+
+async def _break_bucket(channel: aio_pika.abc.AbstractChannel, bucket: str, how: str) -> None:
+    await channel.queue_delete(bucket)
+    if how == "nacked":
+        # A bucket that refuses every message: the broker answers the publish with basic.nack.
+        await channel.declare_queue(bucket, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+
+
+@pytest.mark.parametrize("how", ["unroutable", "nacked"])
+async def test_handoff_failure_requeues_then_the_broker_dead_letters(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, how: str
+) -> None:
+    q = names.queue(f"handoff-{how}")
+    calls = Calls()
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)), max_handoff_failures=2)
+    consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"))))
+    async with started(consumer) as managed:
+        await _break_bucket(amqp_channel, f"{q}.retry.0", how)
+        event_ids = await publish_orders(amqp, q, 1, 2, 3)
+        observations = await wait_observations(managed, 6)
+        report = await managed.shutdown()
+    assert report.succeeded, report.render()
+    # Each message: one failed handoff (bounded requeue), then the bound is reached and
+    # the broker dead-letters the original through Q's dead-letter exchange.
+    assert sorted(calls.ids) == [1, 1, 2, 2, 3, 3]
+    for event_id in event_ids:
+        mine = [o for o in observations if o.event_id == event_id]
+        assert [o.outcome for o in mine] == ["handoff_failed", "broker_dead_lettered"]
+        assert [o.code for o in mine] == ["APP_BUSY", "APP_BUSY"]  # the application failure is preserved
+        assert [o.handoff_confirmed for o in mine] == [False, False]
+        assert mine[1].broker_native
+    # Nothing lost: 3 in, 3 in the DLQ, none left in Q.
+    assert await depths(amqp_channel, q, f"{q}.dlq") == [0, 3]
+    if how == "nacked":
+        assert await queue_depth(amqp_channel, f"{q}.retry.0") == 0
+    copies = await drain(amqp_channel, f"{q}.dlq")
+    assert sorted(c.headers["x-lily-event-id"] for c in copies) == sorted(str(e) for e in event_ids)
+    for copy in copies:
+        assert "x-lily-failure-code" not in copy.headers  # the original itself, dead-lettered by the broker
+        [death] = copy.headers["x-death"]
+        assert death["reason"] == "rejected"
+        assert death["queue"] == q
+
+
+class Relay:
+    """A TCP relay to the broker that can hold back the broker-to-client direction or sever every connection."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._server: asyncio.Server | None = None
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._writers: list[asyncio.StreamWriter] = []
+        self._pipes: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def hold(self) -> None:
+        self._flowing.clear()
+
+    def release(self) -> None:
+        self._flowing.set()
+
+    async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        broker_reader, broker_writer = await asyncio.open_connection(*self._target)
+        self._writers += [client_writer, broker_writer]
+        for pipe in (
+            self._pipe(client_reader, broker_writer, gated=False),
+            self._pipe(broker_reader, client_writer, gated=True),
+        ):
+            task = asyncio.get_running_loop().create_task(pipe)
+            self._pipes.add(task)
+            task.add_done_callback(self._pipes.discard)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, gated: bool) -> None:
+        with contextlib.suppress(ConnectionError):
+            while chunk := await reader.read(65536):
+                if gated:
+                    await self._flowing.wait()
+                writer.write(chunk)
+                await writer.drain()
+        writer.close()
+
+    async def sever(self) -> None:
+        """Drop every relayed connection (new ones are still accepted)."""
+        writers, self._writers = self._writers, []
+        for writer in writers:
+            writer.close()
+        for writer in writers:
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    async def close(self) -> None:
+        self.release()
+        if self._server is not None:
+            self._server.close()
+        await self.sever()
+        for task in list(self._pipes):
+            task.cancel()
+        if self._pipes:
+            await asyncio.wait(self._pipes)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def relayed(amqp: str, query: str = "") -> AsyncIterator[tuple[Relay, str]]:
+    """A :class:`Relay` to the broker of ``amqp`` and the AMQP URL that goes through it."""
+    url = urllib.parse.urlsplit(amqp)
+    relay = Relay(url.hostname or "127.0.0.1", url.port or 5672)
+    await relay.start()
+    userinfo = url.netloc.rpartition("@")[0]
+    netloc = f"{userinfo}@127.0.0.1:{relay.port}" if userinfo else f"127.0.0.1:{relay.port}"
+    try:
+        yield relay, urllib.parse.urlunsplit((url.scheme, netloc, url.path, query, ""))
+    finally:
+        await relay.close()
+
+
+async def test_handoff_confirm_timeout_requeues_the_original(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("handoff-timeout")
+    calls = Calls()
+    async with relayed(amqp) as (relay, relayed_url):
+
+        async def behaviour(call: int) -> None:
+            if call == 1:
+                relay.hold()  # the broker's confirm for the coming handoff cannot reach the consumer
+            raise QueueHandlerError.retryable("APP_BUSY")
+
+        consumer = Consumer(amqp_url=relayed_url, name="t", confirm_timeout=0.5)
+        consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)))
+        consumer.include(recording_handler(q, calls, behaviour))
+        async with started(consumer) as managed:
+            await publish_orders(amqp, q, 7)
+            [first] = await wait_observations(managed, 1)
+            relay.release()
+            observations = await wait_observations(managed, 2)
+            report = await managed.shutdown()
+    assert report.succeeded, report.render()
+    assert (first.outcome, first.code, first.handoff_confirmed) == ("handoff_failed", "APP_BUSY", False)
+    assert observations[1].outcome == "retried"
+    assert calls.ids == [7, 7]
+    assert calls.redelivered == [False, True]
+    assert calls.retry_counts == [0, 0]  # a requeue after a failed handoff is not an application retry
+    # The timed-out publish did reach the bucket (only its confirm was late): at least
+    # once means two copies now, and the original is settled.
+    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 2, 0]
+    copies = await drain(amqp_channel, f"{q}.retry.0")
+    assert [c.headers["x-retry-count"] for c in copies] == [1, 1]
+
+
+# -- confirmed handoff, then the original's ACK fails -------------------------------------------------------
+
+
+class _AfterConfirm:
+    """Stands in for the runtime's handoff channel: every publish is real; after the
+    first confirmed one, ``fault`` runs before control returns to the runtime."""
+
+    def __init__(self, channel: aio_pika.abc.AbstractChannel, fault: Callable[[], Awaitable[None]]) -> None:
+        self.channel = channel
+        self._fault: Callable[[], Awaitable[None]] | None = fault
+        self.confirmed = 0
+
+    @property
+    def is_closed(self) -> bool:
+        return self.channel.is_closed
+
+    async def get_underlay_channel(self) -> Any:
+        underlay = await self.channel.get_underlay_channel()
+        hook = self
+
+        class Underlay:
+            async def basic_publish(self, body: bytes, **kwargs: Any) -> Any:
+                confirmation = await underlay.basic_publish(body, **kwargs)
+                hook.confirmed += 1
+                if hook._fault is not None:
+                    fault, hook._fault = hook._fault, None
+                    await fault()
+                return confirmation
+
+        return Underlay()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+@dataclass
+class AckLostRun:
+    observations: list[TerminalObservation]
+    calls: Calls
+    confirmed: int
+    depths: list[int]
+    bucket_copies: list[aio_pika.abc.AbstractIncomingMessage]
+    report: ShutdownReport
+
+
+async def _run_ack_lost_after_confirm(amqp: str, channel: aio_pika.abc.AbstractChannel, q: str) -> AckLostRun:
+    calls = Calls()
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)))
+    # First attempt fails (retry handoff), the broker's redelivery then succeeds.
+    consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"), times=1)))
+    async with started(consumer) as managed:
+        runtime = managed._runtime
+        assert runtime is not None
+        assert runtime.handoff_channel is not None
+        consuming = runtime.queues[q].channel
+        assert consuming is not None
+
+        async def close_consuming_channel() -> None:
+            # Closes only the current AMQP channel: the robust channel reopens and
+            # consumes again, the broker requeues what the closed one held.
+            await (await consuming.get_underlay_channel()).close()
+
+        hook = _AfterConfirm(runtime.handoff_channel, close_consuming_channel)
+        runtime.handoff_channel = hook  # type: ignore[assignment]
+        try:
+            await publish_orders(amqp, q, 7)
+            observations = await wait_observations(managed, 2)
+        finally:
+            runtime.handoff_channel = hook.channel
+        report = await managed.shutdown()
+    found = await depths(channel, q, f"{q}.retry.0", f"{q}.dlq")
+    return AckLostRun(observations, calls, hook.confirmed, found, await drain(channel, f"{q}.retry.0"), report)
+
+
+async def test_ack_failure_after_a_confirmed_handoff_is_unresolved_and_not_repeated(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    run = await _run_ack_lost_after_confirm(amqp, amqp_channel, names.queue("ack-lost"))
+    assert [o.outcome for o in run.observations] == ["unresolved", "acked"]
+    assert not run.observations[0].ack_sent
+    assert run.confirmed == 1  # no second handoff for the same attempt
+    assert run.calls.ids == [7, 7]
+    assert run.calls.redelivered == [False, True]  # the broker redelivered the unsettled original
+    assert run.calls.retry_counts == [0, 0]
+    # Exactly one retry copy (the confirmed one), nothing left in Q, nothing in the DLQ.
+    assert run.depths == [0, 1, 0]
+    assert [c.headers["x-retry-count"] for c in run.bucket_copies] == [1]
+    assert run.report.succeeded, run.report.render()
+
+
+async def test_ack_failure_after_a_confirmed_handoff_keeps_the_confirm_as_evidence(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = await _run_ack_lost_after_confirm(amqp, amqp_channel, names.queue("ack-lost-evidence"))
+    first = run.observations[0]
+    assert first.outcome == "unresolved"
+    assert first.handoff_confirmed
+    assert lily_errors(caplog) == []
+
+
+# -- body over the queue's max_body: broker-native dead-lettering -------------------------------------------
+
+
+async def test_body_over_max_body_is_dead_lettered_by_the_broker(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("too-large")
+    calls = Calls()
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(0.1,)), max_body=64)
+    consumer.include(recording_handler(q, calls, raising()))
+    async with Publisher(amqp) as publisher, started(consumer) as managed:
+        big = await publisher.publish_json(q, {"id": 1, "pad": "x" * 100}, version=1)
+        small = await publisher.publish_json(q, {"id": 2}, version=1)
+        observations = await wait_observations(managed, 2)
+        await managed.shutdown()
+    [rejected] = [o for o in observations if o.event_id != small]
+    assert (rejected.outcome, rejected.code) == ("broker_dead_lettered", "QUEUE_BODY_TOO_LARGE")
+    assert rejected.broker_native
+    assert not rejected.handoff_confirmed
+    assert [o.outcome for o in observations if o.event_id == small] == ["acked"]
+    assert calls.ids == [2]  # the handler never saw the oversized body
+    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 1]
+    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert copy.headers["x-lily-event-id"] == str(big)
+    assert "x-lily-failure-code" not in copy.headers
+    [death] = copy.headers["x-death"]
+    assert (death["reason"], death["queue"]) == ("rejected", q)
+    assert len(copy.body) > 64
+
+
+# -- transport lost ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TransportLostRun:
+    observations: list[TerminalObservation]
+    calls: Calls
+    depths: list[int]
+    generation: int
+    report: ShutdownReport
+
+
+async def _run_transport_lost(
+    amqp: str, channel: aio_pika.abc.AbstractChannel, q: str, *, lose: str
+) -> TransportLostRun:
+    """Two deliveries are in the handler when their channel (or connection) dies; they are released after."""
+    calls = Calls()
+    release = asyncio.Event()
+
+    async def behaviour(call: int) -> None:
+        if call <= 2:
+            await release.wait()
+
+    async with relayed(amqp, "reconnect_interval=0.2") as (relay, relayed_url):
+        consumer = Consumer(amqp_url=relayed_url if lose == "connection" else amqp, name="t")
+        # Permits for the two stuck deliveries and for their redeliveries.
+        consumer.configure_queue(q, concurrency=4, retry=RetryPolicy(max_retries=3, delays=(0.1,)))
+        consumer.include(recording_handler(q, calls, behaviour))
+        async with started(consumer) as managed:
+            runtime = managed._runtime
+            assert runtime is not None
+            await publish_orders(amqp, q, 1, 2)
+            await wait_until(lambda: len(calls.ids) == 2, "both deliveries in the handler")
+            consuming = runtime.queues[q].channel
+            assert consuming is not None
+            if lose == "channel":
+                await (await consuming.get_underlay_channel()).close()
+            else:
+                await relay.sever()
+            try:
+                # The broker requeues both; the restored consumer gets them again (and acks them).
+                await wait_until(lambda: len(calls.ids) == 4, "both deliveries redelivered")
+                await wait_observations(managed, 2)
+            finally:
+                release.set()
+            observations = await wait_observations(managed, 4)
+            generation = managed.snapshot().transport_generation
+            report = await managed.shutdown()
+    found = await depths(channel, q, f"{q}.retry.0", f"{q}.dlq")
+    return TransportLostRun(observations, calls, found, generation, report)
+
+
+@pytest.mark.parametrize("lose", ["channel", "connection"])
+async def test_in_flight_deliveries_are_unresolved_and_redelivered_when_the_transport_is_lost(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, lose: str
+) -> None:
+    run = await _run_transport_lost(amqp, amqp_channel, names.queue(f"lost-{lose}"), lose=lose)
+    assert [o.outcome for o in run.observations] == ["acked", "acked", "unresolved", "unresolved"]
+    assert not any(o.ack_sent for o in run.observations[2:])
+    assert sorted(run.calls.ids) == [1, 1, 2, 2]
+    assert run.calls.redelivered == [False, False, True, True]
+    first_ids = sorted(str(o.event_id) for o in run.observations[2:])
+    assert sorted(str(o.event_id) for o in run.observations[:2]) == first_ids
+    # Settled exactly once, by the redelivery: nothing left, nothing copied.
+    assert run.depths == [0, 0, 0]
+    if lose == "connection":
+        assert run.generation == 2
+    assert run.report.succeeded, run.report.render()
+
+
+async def test_transport_lost_is_reported_as_such(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = await _run_transport_lost(amqp, amqp_channel, names.queue("lost-reason"), lose="channel")
+    for obs in run.observations[2:]:
+        assert obs.outcome == "unresolved"
+        assert "transport lost" in obs.reason
+    assert lily_errors(caplog) == []
