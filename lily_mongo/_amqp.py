@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import aio_pika.abc
 import aiormq
 import aiormq.exceptions
 from pamqp import commands as spec
@@ -24,7 +25,7 @@ from pamqp import common, encode
 
 from .errors import PublishError
 
-__all__ = ["LONG_INT_HEADERS", "LilyProperties", "basic_publish", "encode_headers_table"]
+__all__ = ["LONG_INT_HEADERS", "LilyProperties", "basic_publish", "encode_headers_table", "republish"]
 
 # Headers always written as signed 32-bit LongInt (SPEC section 2).
 LONG_INT_HEADERS: frozenset[str] = frozenset({"x-retry-count"})
@@ -66,6 +67,7 @@ async def basic_publish(
     timeout: float,
     persistent: bool = True,
     expiration: str | None = None,
+    properties: Mapping[str, Any] | None = None,
 ) -> None:
     """Publish mandatory on a confirming channel; return only once the broker confirmed.
 
@@ -73,7 +75,8 @@ async def basic_publish(
     ``nacked`` (basic.nack), ``timeout`` (no confirm in ``timeout`` seconds) or
     ``closed`` (the channel or connection failed).
     """
-    properties = LilyProperties(
+    frame_properties = LilyProperties(
+        **(properties or {}),
         content_type=content_type,
         headers=dict(headers),
         delivery_mode=2 if persistent else 1,
@@ -88,7 +91,7 @@ async def basic_publish(
             body,
             exchange=exchange,
             routing_key=routing_key,
-            properties=properties,
+            properties=frame_properties,
             mandatory=True,
             timeout=timeout,
         )
@@ -102,3 +105,34 @@ async def basic_publish(
         raise PublishError("closed", f"{where}: channel failed ({type(exc).__name__})") from exc
     if not isinstance(confirmation, spec.Basic.Ack):
         raise PublishError("nacked", f"{where}: no publisher confirm (got {type(confirmation).__name__})")
+
+
+# Properties a copy keeps from the original. Not message_id (a fresh one is
+# needed, see above), not expiration (a retry copy must not expire on the way),
+# not user_id (the broker checks it against the publishing connection's user).
+_COPIED_PROPERTIES = ("correlation_id", "reply_to", "app_id", "content_encoding", "priority", "timestamp", "type")
+
+
+async def republish(
+    channel: aiormq.abc.AbstractChannel,
+    message: aio_pika.abc.AbstractIncomingMessage,
+    *,
+    routing_key: str,
+    headers: Mapping[str, Any],
+    timeout: float,
+) -> None:
+    """Publish a copy of ``message`` (same body and properties, given headers) through the default
+    exchange to ``routing_key``, mandatory and confirmed: the retry/DLQ handoff and the DLQ replay."""
+    kept = {name: getattr(message, name) for name in _COPIED_PROPERTIES if getattr(message, name, None) is not None}
+    if "type" in kept:
+        kept["message_type"] = kept.pop("type")
+    await basic_publish(
+        channel,
+        exchange="",
+        routing_key=routing_key,
+        body=message.body,
+        headers=headers,
+        content_type=message.content_type,
+        timeout=timeout,
+        properties=kept,
+    )

@@ -27,7 +27,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
 import aio_pika
 from pymongo import AsyncMongoClient
 
-from ._amqp import basic_publish
+from ._amqp import republish
 from ._connect import redact_url
 from .asyncapi import asyncapi_document
 from .envelope import EVENT_ID_HEADER, RETRY_COUNT_HEADER
@@ -274,15 +274,7 @@ def dlq_replay(
                 if reset_retries:
                     headers[RETRY_COUNT_HEADER] = 0
                 try:
-                    await basic_publish(
-                        underlay,
-                        exchange="",
-                        routing_key=queue,
-                        body=message.body,
-                        headers=headers,
-                        content_type=message.content_type,
-                        timeout=10.0,
-                    )
+                    await republish(underlay, message, routing_key=queue, headers=headers, timeout=10.0)
                 except PublishError:
                     await message.nack(requeue=True)  # nothing lost: it stays in the DLQ
                     raise

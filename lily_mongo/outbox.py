@@ -27,7 +27,7 @@ from pymongo.errors import PyMongoError
 
 from ._amqp import basic_publish
 from .errors import PublishError, ScopeClosedError
-from .publisher import BINARY, JSON, TEXT, CustomPublishContent, prepare_publication
+from .publisher import CustomPublishContent, TypedPublishing, prepare_publication
 
 if TYPE_CHECKING:
     import aio_pika.abc
@@ -45,7 +45,7 @@ def utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
-class Outbox:
+class Outbox(TypedPublishing):
     """Outgoing messages of one attempt, written in its transaction. Valid for that attempt only."""
 
     __slots__ = ("_collection", "_handler_id", "_is_open", "_max_body", "_session", "written")
@@ -98,18 +98,6 @@ class Outbox:
         )
         self.written += 1
         return publication.event_id
-
-    async def publish_json(self, routing_key: str, payload: Any, *, version: int, **options: Any) -> uuid.UUID:
-        """Stage a JSON message (content kind ``json``)."""
-        return await self.publish(JSON, routing_key, payload, version=version, **options)
-
-    async def publish_text(self, routing_key: str, payload: str, *, version: int, **options: Any) -> uuid.UUID:
-        """Stage a UTF-8 text message (content kind ``text``)."""
-        return await self.publish(TEXT, routing_key, payload, version=version, **options)
-
-    async def publish_binary(self, routing_key: str, payload: bytes, *, version: int, **options: Any) -> uuid.UUID:
-        """Stage a binary message (content kind ``binary``)."""
-        return await self.publish(BINARY, routing_key, payload, version=version, **options)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -42,6 +42,7 @@ __all__ = [
     "CustomPublishContent",
     "Publication",
     "Publisher",
+    "TypedPublishing",
     "encode_json",
     "prepare_publication",
 ]
@@ -187,13 +188,39 @@ def prepare_publication[T](
     return Publication(exchange, routing_key, body, table, content.content_type, event)
 
 
+class TypedPublishing:
+    """``publish_json`` / ``publish_text`` / ``publish_binary`` on top of a ``publish`` method.
+
+    Shared by :class:`Publisher` (publishes now) and the outbox (stages for the relay).
+    """
+
+    __slots__ = ()
+
+    async def publish[T](
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, *, version: int, **options: Any
+    ) -> uuid.UUID:
+        raise NotImplementedError
+
+    async def publish_json(self, routing_key: str, payload: Any, *, version: int, **options: Any) -> uuid.UUID:
+        """A JSON payload (content kind ``json``, ``application/json``); pydantic models are dumped."""
+        return await self.publish(JSON, routing_key, payload, version=version, **options)
+
+    async def publish_text(self, routing_key: str, payload: str, *, version: int, **options: Any) -> uuid.UUID:
+        """UTF-8 text (content kind ``text``, ``text/plain; charset=utf-8``)."""
+        return await self.publish(TEXT, routing_key, payload, version=version, **options)
+
+    async def publish_binary(self, routing_key: str, payload: bytes, *, version: int, **options: Any) -> uuid.UUID:
+        """Raw bytes (content kind ``binary``, ``application/octet-stream``)."""
+        return await self.publish(BINARY, routing_key, payload, version=version, **options)
+
+
 class _State(enum.Enum):
     NEW = "new"
     OPEN = "open"
     CLOSED = "closed"
 
 
-class Publisher:
+class Publisher(TypedPublishing):
     """Publishes typed messages with confirms; an async context manager.
 
     Either give ``amqp_url`` (the publisher owns its connection) or an open
@@ -267,20 +294,8 @@ class Publisher:
         )
         return publication.event_id
 
-    async def publish(
+    async def publish[T](
         self, content: CustomPublishContent[T], routing_key: str, payload: T, *, version: int, **options: Any
     ) -> uuid.UUID:
         """Publish ``payload`` with a custom content contract; return the event id."""
         return await self.send(prepare_publication(content, routing_key, payload, version=version, **options))
-
-    async def publish_json(self, routing_key: str, payload: Any, *, version: int, **options: Any) -> uuid.UUID:
-        """Publish a JSON payload (content kind ``json``, ``application/json``)."""
-        return await self.publish(JSON, routing_key, payload, version=version, **options)
-
-    async def publish_text(self, routing_key: str, payload: str, *, version: int, **options: Any) -> uuid.UUID:
-        """Publish UTF-8 text (content kind ``text``, ``text/plain; charset=utf-8``)."""
-        return await self.publish(TEXT, routing_key, payload, version=version, **options)
-
-    async def publish_binary(self, routing_key: str, payload: bytes, *, version: int, **options: Any) -> uuid.UUID:
-        """Publish raw bytes (content kind ``binary``, ``application/octet-stream``)."""
-        return await self.publish(BINARY, routing_key, payload, version=version, **options)

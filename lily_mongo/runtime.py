@@ -32,7 +32,7 @@ import aio_pika
 import aio_pika.abc
 import aiormq.exceptions
 
-from ._amqp import basic_publish
+from ._amqp import republish
 from ._text import truncate_utf8
 from .bounds import BOUNDS
 from .envelope import RETRY_COUNT_HEADER, Envelope, sanitize_headers, validate_envelope
@@ -636,15 +636,7 @@ class Runtime:
             underlay = await channel.get_underlay_channel()
         except Exception as exc:
             raise PublishError("closed", f"the handoff channel is unavailable ({type(exc).__name__})") from exc
-        await basic_publish(
-            underlay,
-            exchange="",
-            routing_key=routing_key,
-            body=message.body,
-            headers=headers,
-            content_type=message.content_type,
-            timeout=self.confirm_timeout,
-        )
+        await republish(underlay, message, routing_key=routing_key, headers=headers, timeout=self.confirm_timeout)
 
     def snapshots(self) -> tuple[QueueSnapshot, ...]:
         return tuple(qr.snapshot() for qr in self.queues.values())
