@@ -71,7 +71,10 @@ def load_consumer(target: str) -> Consumer:
 
 @app.command()
 def run(target: Annotated[str, typer.Argument(help="module:consumer (a Consumer or a factory returning one)")]) -> None:
-    """Run a consumer until SIGTERM/SIGINT (graceful); a second signal forces. Prints the shutdown report."""
+    """Run a consumer until SIGTERM/SIGINT (graceful); a second signal forces. Prints the shutdown report.
+
+    Exit status: 0 after a graceful shutdown that succeeded, 1 after a failed or forced one, 2 on a bad target.
+    """
 
     async def main() -> int:
         consumer = load_consumer(target)
@@ -83,7 +86,9 @@ def run(target: Annotated[str, typer.Argument(help="module:consumer (a Consumer 
         finally:
             uninstall()
         console.print(report.render())
-        return 0 if report.succeeded else 1
+        # Non-zero when anything is unresolved or unobserved, and when the graceful
+        # window did not suffice (a forced shutdown), so supervisors notice.
+        return 0 if report.succeeded and not report.forced else 1
 
     try:
         code = asyncio.run(main())

@@ -207,7 +207,10 @@ async def _publish_workload(amqp_url: str, work_queue: str, workload: Workload, 
         for order in workload.orders:
             event_ids.append(await publisher.publish_json(work_queue, order, version=1))
             sent += 1
-        for index in rng.sample(range(len(workload.orders)), workload.duplicates):
+        # Duplicate copies of valid orders only: a copy of an invalid order is not a
+        # duplicate for the inbox (nothing committed) and would be dead-lettered too.
+        valid = [i for i, order in enumerate(workload.orders) if order.lines]
+        for index in rng.sample(valid, min(workload.duplicates, len(valid))):
             await publisher.publish_json(work_queue, workload.orders[index], version=1, event_id=event_ids[index])
             sent += 1
     connection = await aio_pika.connect(amqp_url)

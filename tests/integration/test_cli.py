@@ -1,0 +1,801 @@
+"""The ``lily-mongo`` command, run as a real subprocess (SPEC section 7, command line).
+
+Every test starts the installed console script (or, without it, ``main()``
+through ``python -c``) with ``LILY_AMQP_URL`` / ``LILY_MONGO_URI`` pointing at
+the test servers, and checks what the broker and the database hold afterwards:
+queue depths by passive declare, DLQ contents, inbox and outbox documents.
+Subprocesses are asyncio subprocesses, so a consumer running in the test's own
+event loop keeps working while the command runs; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import shutil
+import signal
+import sys
+import textwrap
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import aio_pika.abc
+import aiormq.exceptions
+import jsonschema
+import pydantic
+import pytest
+import yaml
+from pymongo import AsyncMongoClient
+
+from lily_mongo import (
+    Consumer,
+    EventId,
+    Json,
+    ManagedConsumer,
+    MongoScope,
+    Publisher,
+    QueueHandlerError,
+    RawDelivery,
+    RetryCount,
+    RetryPolicy,
+    queue,
+)
+from tests.support import BrokerNames, FailPoints, drain, queue_depth, wait_for_depth
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "data" / "asyncapi-3.0.0.schema.json"
+ENVELOPE = ("x-lily-event-id", "x-lily-schema-version", "x-lily-content-kind")
+EFFECTS = "effects"
+COMPLETIONS = "lily_inbox"
+CLOSED_PORT_AMQP_URL = "amqp://guest:guest@127.0.0.1:1/"
+
+
+# -- running the command --------------------------------------------------------------------------
+
+
+def cli_argv(*args: str) -> list[str]:
+    """The installed ``lily-mongo`` script next to this interpreter, else ``main()`` through ``-c``."""
+    script = shutil.which("lily-mongo", path=os.path.dirname(sys.executable))
+    if script is not None:
+        return [script, *args]
+    return [sys.executable, "-c", "from lily_mongo.cli import main; main()", *args]
+
+
+def cli_env(amqp_url: str, mongo_uri: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        LILY_AMQP_URL=amqp_url,
+        LILY_MONGO_URI=mongo_uri,
+        COLUMNS="200",  # rich wraps at the terminal width; keep report and table lines whole
+        NO_COLOR="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@dataclasses.dataclass(frozen=True)
+class Completed:
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def describe(self) -> str:
+        return f"{self.argv[1:]} exited {self.returncode}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
+
+
+async def start_cli(*args: str, env: dict[str, str], cwd: Path | None = None) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *cli_argv(*args),
+        env=env,
+        cwd=cwd,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def finish(process: asyncio.subprocess.Process, argv: list[str], timeout: float) -> Completed:
+    """Collect output and exit status; kill the process if it outlives ``timeout``."""
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout)
+    except TimeoutError:
+        process.kill()
+        stdout, stderr = await process.communicate()
+        raise AssertionError(
+            f"{argv[1:]} did not exit within {timeout} s\nstdout:\n{stdout.decode()}\nstderr:\n{stderr.decode()}"
+        ) from None
+    assert process.returncode is not None
+    return Completed(argv, process.returncode, stdout.decode(), stderr.decode())
+
+
+async def run_cli(*args: str, env: dict[str, str], cwd: Path | None = None, timeout: float = 30.0) -> Completed:
+    process = await start_cli(*args, env=env, cwd=cwd)
+    return await finish(process, cli_argv(*args), timeout)
+
+
+@contextlib.asynccontextmanager
+async def cli_process(*args: str, env: dict[str, str], cwd: Path) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A long-running command; killed and reaped if the test leaves it running."""
+    process = await start_cli(*args, env=env, cwd=cwd)
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.communicate()
+
+
+# -- broker and database helpers ------------------------------------------------------------------
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool]], what: str, timeout: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def consumer_count(connection: aio_pika.abc.AbstractConnection, name: str) -> int | None:
+    """Consumers on ``name``, or None while the queue does not exist (a 404 closes the channel: use a fresh one)."""
+    channel = await connection.channel()
+    try:
+        declared = await channel.declare_queue(name, passive=True)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return None
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    return declared.declaration_result.consumer_count
+
+
+async def wait_for_consumer(
+    connection: aio_pika.abc.AbstractConnection, name: str, process: asyncio.subprocess.Process, timeout: float = 20.0
+) -> None:
+    async def attached() -> bool:
+        if process.returncode is not None:
+            stdout, stderr = await process.communicate()
+            raise AssertionError(f"the command exited {process.returncode}:\n{stdout.decode()}\n{stderr.decode()}")
+        return await consumer_count(connection, name) == 1
+
+    await wait_until(attached, f"one consumer on {name}", timeout)
+
+
+def log_lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+async def wait_for_line(path: Path, line: str, timeout: float = 15.0) -> None:
+    async def present() -> bool:
+        return line in log_lines(path)
+
+    await wait_until(present, f"{line!r} in {path.name}", timeout)
+
+
+# -- a service module for `run` -------------------------------------------------------------------
+
+
+def write_service(directory: Path, q: str, log: Path, *, force_timeout: float = 5.0) -> None:
+    """``svcmod.consumer``: one at_least_once handler on ``q`` that logs start/done and may sleep.
+
+    The payload's ``sleep`` makes the handler slow; ``stubborn`` makes it ignore the first
+    cancellation for 3 s (an uncooperative handler).
+    """
+    source = f"""
+        from __future__ import annotations
+
+        import asyncio
+        import os
+        import pathlib
+
+        from lily_mongo import Consumer, EventId, Json, RetryPolicy, queue
+
+        QUEUE = {q!r}
+        LOG = pathlib.Path({str(log)!r})
+
+
+        def record(line: str) -> None:
+            with LOG.open("a") as handle:
+                handle.write(line + "\\n")
+
+
+        @queue(QUEUE, version=1, content="json", guarantee="at_least_once")
+        async def handle(payload: Json[dict[str, object]], event_id: EventId) -> None:
+            record(f"start {{event_id}}")
+            try:
+                await asyncio.sleep(float(payload.get("sleep", 0)))
+            except asyncio.CancelledError:
+                record(f"cancelled {{event_id}}")
+                if payload.get("stubborn"):
+                    await asyncio.sleep(3)
+                raise
+            record(f"done {{event_id}}")
+
+
+        consumer = Consumer(
+            amqp_url=os.environ["LILY_AMQP_URL"], name="svc", graceful_timeout=20.0, force_timeout={force_timeout!r}
+        )
+        consumer.configure_queue(QUEUE, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=1, delays=(30.0,)))
+        consumer.include(handle)
+    """
+    (directory / "svcmod.py").write_text(textwrap.dedent(source))
+
+
+@contextlib.asynccontextmanager
+async def running_service(
+    tmp_path: Path,
+    q: str,
+    env: dict[str, str],
+    connection: aio_pika.abc.AbstractConnection,
+    *,
+    force_timeout: float = 5.0,
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, Path]]:
+    log = tmp_path / "events.log"
+    write_service(tmp_path, q, log, force_timeout=force_timeout)
+    async with cli_process("run", "svcmod:consumer", env=env, cwd=tmp_path) as process:
+        await wait_for_consumer(connection, q, process)
+        yield process, log
+
+
+async def publish_one(amqp: str, q: str, payload: dict[str, Any], **options: Any) -> uuid.UUID:
+    async with Publisher(amqp) as publisher:
+        return await publisher.publish_json(q, payload, version=1, **options)
+
+
+# -- run --------------------------------------------------------------------------------------------
+
+
+async def test_run_consumes_and_sigterm_shuts_down_gracefully(
+    amqp: str,
+    mongo_uri: str,
+    names: BrokerNames,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    tmp_path: Path,
+) -> None:
+    q = names.queue("run")
+    env = cli_env(amqp, mongo_uri)
+    async with running_service(tmp_path, q, env, amqp_connection) as (process, log):
+        event = await publish_one(amqp, q, {"n": 1})
+        await wait_for_line(log, f"done {event}")
+        process.send_signal(signal.SIGTERM)
+        result = await finish(process, ["lily-mongo", "run"], timeout=20)
+    assert result.returncode == 0, result.describe()
+    assert "shutdown succeeded" in result.stdout, result.describe()
+    assert "(forced)" not in result.stdout
+    assert log_lines(log) == [f"start {event}", f"done {event}"]
+    # The delivery was ACKed: nothing back in the queue, nothing dead-lettered, no consumer left.
+    assert await wait_for_depth(amqp_channel, q, 0) == 0
+    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
+    assert await consumer_count(amqp_connection, q) == 0
+
+
+async def test_run_second_signal_forces_and_requeues_the_running_delivery(
+    amqp: str,
+    mongo_uri: str,
+    names: BrokerNames,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    tmp_path: Path,
+) -> None:
+    q = names.queue("force")
+    env = cli_env(amqp, mongo_uri)
+    async with running_service(tmp_path, q, env, amqp_connection) as (process, log):
+        event = await publish_one(amqp, q, {"sleep": 60})
+        await wait_for_line(log, f"start {event}")
+        process.send_signal(signal.SIGINT)
+        await asyncio.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        result = await finish(process, ["lily-mongo", "run"], timeout=20)
+    assert "(forced)" in result.stdout, result.describe()
+    assert "shutdown" in result.stdout.splitlines()[0], result.describe()
+    assert f"cancelled {event}" in log_lines(log)
+    assert f"done {event}" not in log_lines(log)
+    # A forced shutdown is not an application failure: the copy is back in Q with its retry count untouched.
+    assert await wait_for_depth(amqp_channel, q, 1) == 1, result.describe()
+    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
+    assert await queue_depth(amqp_channel, f"{q}.retry.0") == 0
+    (message,) = await drain(amqp_channel, q)
+    headers = message.headers or {}
+    assert headers.get("x-lily-event-id") == str(event)
+    assert headers.get("x-retry-count", 0) == 0
+
+
+async def test_run_forced_shutdown_exits_with_status_1(
+    amqp: str,
+    mongo_uri: str,
+    names: BrokerNames,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    tmp_path: Path,
+) -> None:
+    q = names.queue("forcerc")
+    env = cli_env(amqp, mongo_uri)
+    async with running_service(tmp_path, q, env, amqp_connection) as (process, log):
+        event = await publish_one(amqp, q, {"sleep": 60})
+        await wait_for_line(log, f"start {event}")
+        process.send_signal(signal.SIGINT)
+        await asyncio.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        result = await finish(process, ["lily-mongo", "run"], timeout=20)
+    assert "(forced)" in result.stdout, result.describe()
+    assert result.returncode == 1, result.describe()
+
+
+async def test_run_forced_shutdown_with_an_uncooperative_handler_reports_unresolved(
+    amqp: str,
+    mongo_uri: str,
+    names: BrokerNames,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    tmp_path: Path,
+) -> None:
+    q = names.queue("stubborn")
+    env = cli_env(amqp, mongo_uri)
+    async with running_service(tmp_path, q, env, amqp_connection, force_timeout=0.5) as (process, log):
+        event = await publish_one(amqp, q, {"sleep": 60, "stubborn": True})
+        await wait_for_line(log, f"start {event}")
+        process.send_signal(signal.SIGINT)
+        await asyncio.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        result = await finish(process, ["lily-mongo", "run"], timeout=20)
+    assert result.returncode == 1, result.describe()
+    first = result.stdout.splitlines()[0]
+    assert "shutdown FAILED (forced)" in first, result.describe()
+    assert "unresolved deliveries: 1" in first, result.describe()
+    # Never ACKed and never handed off: the broker gets the delivery back when the channel closes.
+    assert await wait_for_depth(amqp_channel, q, 1) == 1
+    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
+
+
+async def test_run_with_a_bad_target_fails_without_a_traceback(amqp: str, mongo_uri: str, tmp_path: Path) -> None:
+    result = await run_cli("run", "no_such_module_here:consumer", env=cli_env(amqp, mongo_uri), cwd=tmp_path)
+    assert result.returncode == 2, result.describe()
+    assert "no_such_module_here" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# -- asyncapi ---------------------------------------------------------------------------------------
+
+SHOP_SERVICE = """
+    from __future__ import annotations
+
+    import pydantic
+
+    from lily_mongo import Bytes, Consumer, Json, RetryPolicy, Text, queue
+
+    ORDERS = "shop.orders.created"
+    FILES = "shop.files"
+
+
+    class Line(pydantic.BaseModel):
+        sku: str
+        quantity: int
+
+
+    class OrderPlaced(pydantic.BaseModel):
+        order_reference_code: str
+        lines: list[Line]
+
+
+    @queue(ORDERS, version=1, content="json")
+    async def order_v1(order: Json[OrderPlaced]) -> None:
+        pass
+
+
+    @queue(ORDERS, version=2, content="text")
+    async def order_v2_text(note: Text) -> None:
+        pass
+
+
+    @queue(FILES, version=1, content="binary")
+    async def file_v1(blob: Bytes) -> None:
+        pass
+
+
+    def make_consumer() -> Consumer:
+        consumer = Consumer(amqp_url="amqp://guest:guest@127.0.0.1:5672/", name="shop")
+        consumer.configure_queue(ORDERS, retry=RetryPolicy(max_retries=3, delays=(0.5, 2.0)))
+        consumer.configure_queue(FILES, retry=RetryPolicy(max_retries=0, delays=()))
+        consumer.include(order_v1, order_v2_text, file_v1)
+        return consumer
+
+
+    consumer = make_consumer()
+"""
+
+
+@pytest.fixture(scope="module")
+def asyncapi_validator() -> jsonschema.Draft7Validator:
+    return jsonschema.Draft7Validator(json.loads(SCHEMA_PATH.read_text(encoding="utf-8")))
+
+
+async def shop_asyncapi(tmp_path: Path, env: dict[str, str], fmt: str, target: str = "shop:consumer") -> str:
+    (tmp_path / "shop.py").write_text(textwrap.dedent(SHOP_SERVICE))
+    result = await run_cli("asyncapi", target, "--format", fmt, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.describe()
+    return result.stdout
+
+
+def resolve(document: dict[str, Any], ref: str) -> Any:
+    assert ref.startswith("#/"), ref
+    node: Any = document
+    for token in ref[2:].split("/"):
+        node = node[token.replace("~1", "/").replace("~0", "~")]
+    return node
+
+
+def message_key(message: dict[str, Any]) -> tuple[str, str]:
+    properties = message["headers"]["properties"]
+    return properties["x-lily-schema-version"]["const"], properties["x-lily-content-kind"]["const"]
+
+
+async def test_asyncapi_json_validates_and_describes_the_plan(
+    amqp: str, mongo_uri: str, tmp_path: Path, asyncapi_validator: jsonschema.Draft7Validator
+) -> None:
+    document = json.loads(await shop_asyncapi(tmp_path, cli_env(amqp, mongo_uri), "json"))
+    asyncapi_validator.validate(document)
+    assert document["asyncapi"] == "3.0.0"
+    channels = {c["address"]: c for c in document["channels"].values()}
+    assert set(channels) == {
+        "shop.orders.created",
+        "shop.orders.created.retry.0",
+        "shop.orders.created.retry.1",
+        "shop.orders.created.dlq",
+        "shop.files",
+        "shop.files.dlq",
+    }
+    operations = list(document["operations"].values())
+    assert sorted(resolve(document, op["channel"]["$ref"])["address"] for op in operations) == [
+        "shop.files",
+        "shop.orders.created",
+    ]
+    assert {op["action"] for op in operations} == {"receive"}
+
+    def messages(address: str) -> dict[tuple[str, str], dict[str, Any]]:
+        refs = channels[address]["messages"].values()
+        return {message_key(m): m for m in (resolve(document, r["$ref"]) for r in refs)}
+
+    orders = messages("shop.orders.created")
+    assert set(orders) == {("1", "json"), ("2", "text")}
+    assert set(messages("shop.files")) == {("1", "binary")}
+    assert set(messages("shop.orders.created.retry.0")) == set(orders)
+    payload = orders[("1", "json")]["payload"]
+    assert "order_reference_code" in payload["properties"]
+    line_ref = payload["properties"]["lines"]["items"]["$ref"]
+    assert line_ref.startswith("#/components/schemas/")
+    assert set(resolve(document, line_ref)["properties"]) == {"sku", "quantity"}
+    assert orders[("2", "text")]["payload"]["type"] == "string"
+    for message in [*orders.values(), *messages("shop.files").values()]:
+        assert set(ENVELOPE) <= set(message["headers"]["required"])
+    (dead,) = [resolve(document, r["$ref"]) for r in channels["shop.orders.created.dlq"]["messages"].values()]
+    assert "x-lily-failure-code" in dead["headers"]["properties"]
+
+
+async def test_asyncapi_yaml_is_the_same_document(amqp: str, mongo_uri: str, tmp_path: Path) -> None:
+    env = cli_env(amqp, mongo_uri)
+    from_json = json.loads(await shop_asyncapi(tmp_path, env, "json"))
+    from_yaml = yaml.safe_load(await shop_asyncapi(tmp_path, env, "yaml", target="shop:make_consumer"))
+    assert from_yaml == from_json
+
+
+async def test_asyncapi_validator_rejects_broken_copies(
+    amqp: str, mongo_uri: str, tmp_path: Path, asyncapi_validator: jsonschema.Draft7Validator
+) -> None:
+    document = json.loads(await shop_asyncapi(tmp_path, cli_env(amqp, mongo_uri), "json"))
+    asyncapi_validator.validate(document)
+    without_version = {k: v for k, v in document.items() if k != "asyncapi"}
+    with pytest.raises(jsonschema.ValidationError):
+        asyncapi_validator.validate(without_version)
+    bogus = json.loads(json.dumps(document))
+    next(iter(bogus["operations"].values()))["action"] = "bogus"
+    with pytest.raises(jsonschema.ValidationError):
+        asyncapi_validator.validate(bogus)
+
+
+async def test_asyncapi_rejects_a_target_that_is_not_a_consumer(amqp: str, mongo_uri: str, tmp_path: Path) -> None:
+    (tmp_path / "notaconsumer.py").write_text("VALUE = 42\n")
+    result = await run_cli("asyncapi", "notaconsumer:VALUE", env=cli_env(amqp, mongo_uri), cwd=tmp_path)
+    assert result.returncode == 2, result.describe()
+    assert "not a lily_mongo.Consumer" in " ".join(result.stderr.split())
+
+
+# -- dlq list / dlq replay --------------------------------------------------------------------------
+
+
+class Item(pydantic.BaseModel):
+    n: int
+    reject: bool = False
+
+
+@dataclasses.dataclass
+class Seen:
+    event_id: uuid.UUID
+    retries: int
+    headers: dict[str, Any]
+
+
+@dataclasses.dataclass
+class DlqService:
+    q: str
+    handler_id: str
+    switch: asyncio.Event
+    seen: list[Seen]
+    consumer: Consumer
+
+
+def dlq_service(amqp: str, client: AsyncMongoClient[Any], database: str, q: str) -> DlqService:
+    """An inbox handler that rejects ``reject`` payloads permanently until ``switch`` is set."""
+    switch = asyncio.Event()
+    seen: list[Seen] = []
+    handler_id = f"{q}/items"
+
+    @queue(q, version=1, content="json", handler_id=handler_id)
+    async def on_item(
+        item: Json[Item], event_id: EventId, retries: RetryCount, raw: RawDelivery, mongo: MongoScope
+    ) -> None:
+        seen.append(Seen(event_id, retries, dict(raw.headers)))
+        if item.reject and not switch.is_set():
+            raise QueueHandlerError.permanent("ITEM_REJECTED", "the switch is off")
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id), "n": item.n}, session=mongo.session)
+
+    consumer = Consumer(amqp_url=amqp, mongo_client=client, database=database, name="dlq-cli", graceful_timeout=10.0)
+    consumer.configure_queue(q, concurrency=1, prefetch=4, retry=RetryPolicy(max_retries=2, delays=(0.2,)))
+    consumer.include(on_item)
+    return DlqService(q, handler_id, switch, seen, consumer)
+
+
+@contextlib.asynccontextmanager
+async def started(consumer: Consumer) -> AsyncIterator[ManagedConsumer]:
+    managed = await consumer.start()
+    try:
+        yield managed
+    finally:
+        report = await managed.shutdown()
+        assert report.unresolved == 0, report.render()
+
+
+def final_outcomes(managed: ManagedConsumer) -> list[str]:
+    """Terminal outcomes without "deferred": the emulator's write conflicts may defer a copy, which comes back."""
+    return [o.outcome for o in managed.delivery_terminal_observations() if o.outcome != "deferred"]
+
+
+def count_outcome(managed: ManagedConsumer, outcome: str) -> int:
+    return sum(o.outcome == outcome for o in managed.delivery_terminal_observations())
+
+
+async def effects_of(client: AsyncMongoClient[Any], database: str, event_id: uuid.UUID) -> int:
+    return await client[database][EFFECTS].count_documents({"event_id": str(event_id)})
+
+
+async def test_dlq_list_shows_without_consuming_and_replay_reprocesses_once(
+    amqp: str,
+    mongo_uri: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    service = dlq_service(amqp, mongo_client, database_name, names.queue("dlq"))
+    q, dlq = service.q, f"{service.q}.dlq"
+    env = cli_env(amqp, mongo_uri)
+    async with started(service.consumer) as managed:
+        event = await publish_one(amqp, q, {"n": 7, "reject": True}, retry_count=2)
+        assert await wait_for_depth(amqp_channel, dlq, 1) == 1
+
+        listed = await run_cli("dlq", "list", q, "--json", env=env)
+        assert listed.returncode == 0, listed.describe()
+        rows = [json.loads(line) for line in listed.stdout.splitlines() if line.strip()]
+        assert len(rows) == 1, listed.describe()
+        assert rows[0]["event_id"] == str(event)
+        assert rows[0]["code"] == "ITEM_REJECTED"
+        assert rows[0]["retry_count"] == 2
+        failed_at = datetime.datetime.fromisoformat(rows[0]["failed_at"])
+        assert failed_at.tzinfo is not None
+        assert abs((datetime.datetime.now(datetime.UTC) - failed_at).total_seconds()) < 60
+        assert await wait_for_depth(amqp_channel, dlq, 1) == 1  # listing leaves it there
+        assert await queue_depth(amqp_channel, q) == 0
+        assert len(service.seen) == 1
+
+        service.switch.set()
+        replayed = await run_cli("dlq", "replay", q, "--event-id", str(event), "--reset-retries", env=env)
+        assert replayed.returncode == 0, replayed.describe()
+        assert "replayed 1 message(s)" in " ".join(replayed.stdout.split()), replayed.describe()
+
+        async def applied() -> bool:
+            return await effects_of(mongo_client, database_name, event) == 1
+
+        await wait_until(applied, "the replayed event's effect")
+        assert await wait_for_depth(amqp_channel, dlq, 0) == 0
+    assert final_outcomes(managed) == ["dead_lettered", "acked"]
+    assert await effects_of(mongo_client, database_name, event) == 1
+    assert await mongo_client[database_name][COMPLETIONS].count_documents({"event_id": str(event)}) == 1
+    assert {s.event_id for s in service.seen} == {event}
+    assert len(service.seen) >= 2
+    replay = service.seen[-1]
+    assert replay.retries == 0  # --reset-retries; the DLQ copy carried 2
+    assert "x-lily-failure-code" not in replay.headers
+    assert await queue_depth(amqp_channel, q) == 0
+    assert await queue_depth(amqp_channel, dlq) == 0
+
+
+async def test_dlq_replay_all_moves_every_message(
+    amqp: str,
+    mongo_uri: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    service = dlq_service(amqp, mongo_client, database_name, names.queue("dlqall"))
+    q, dlq = service.q, f"{service.q}.dlq"
+    async with started(service.consumer) as managed:
+        events = [await publish_one(amqp, q, {"n": n, "reject": True}) for n in (1, 2)]
+        assert await wait_for_depth(amqp_channel, dlq, 2) == 2
+        service.switch.set()
+        replayed = await run_cli("dlq", "replay", q, "--all", env=cli_env(amqp, mongo_uri))
+        assert replayed.returncode == 0, replayed.describe()
+        assert "replayed 2 message(s)" in " ".join(replayed.stdout.split()), replayed.describe()
+
+        async def applied() -> bool:
+            return all([await effects_of(mongo_client, database_name, e) == 1 for e in events])
+
+        await wait_until(applied, "both replayed effects")
+        assert await wait_for_depth(amqp_channel, dlq, 0) == 0
+    for event in events:
+        assert await effects_of(mongo_client, database_name, event) == 1
+    assert {s.event_id for s in service.seen} == set(events)
+    assert sorted(final_outcomes(managed)) == ["acked", "acked", "dead_lettered", "dead_lettered"]
+    assert await queue_depth(amqp_channel, q) == 0
+    assert await queue_depth(amqp_channel, dlq) == 0
+
+
+async def test_dlq_replay_with_another_event_id_leaves_the_message(
+    amqp: str,
+    mongo_uri: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    service = dlq_service(amqp, mongo_client, database_name, names.queue("dlqmiss"))
+    q, dlq = service.q, f"{service.q}.dlq"
+    async with started(service.consumer):
+        event = await publish_one(amqp, q, {"n": 3, "reject": True})
+        assert await wait_for_depth(amqp_channel, dlq, 1) == 1
+        # Switched on: a wrongly replayed copy would be processed and leave the DLQ for good.
+        service.switch.set()
+        other = uuid.uuid4()
+        replayed = await run_cli("dlq", "replay", q, "--event-id", str(other), env=cli_env(amqp, mongo_uri))
+        assert replayed.returncode == 0, replayed.describe()
+        assert "replayed 0 message(s)" in " ".join(replayed.stdout.split()), replayed.describe()
+    # The consumer has drained and stopped: anything replayed would be in Q or applied by now.
+    assert await queue_depth(amqp_channel, q) == 0
+    assert await effects_of(mongo_client, database_name, event) == 0
+    assert len(service.seen) == 1
+    (left,) = await drain(amqp_channel, dlq)
+    assert (left.headers or {}).get("x-lily-event-id") == str(event)
+
+
+async def test_dlq_replay_without_a_selection_is_refused(
+    amqp: str, mongo_uri: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
+) -> None:
+    q = names.queue("dlqnone")
+    await amqp_channel.declare_queue(f"{q}.dlq", durable=True)
+    await amqp_channel.default_exchange.publish(
+        aio_pika.Message(b"{}", headers={"x-lily-event-id": str(uuid.uuid4())}), routing_key=f"{q}.dlq"
+    )
+    assert await wait_for_depth(amqp_channel, f"{q}.dlq", 1) == 1
+    result = await run_cli("dlq", "replay", q, env=cli_env(amqp, mongo_uri))
+    assert result.returncode == 2, result.describe()
+    assert "--event-id" in result.stderr
+    assert await queue_depth(amqp_channel, f"{q}.dlq") == 1
+
+
+# -- inbox stats ------------------------------------------------------------------------------------
+
+
+async def test_inbox_stats_counts_completions_and_outbox_per_handler(
+    amqp: str,
+    mongo_uri: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    q_orders, q_audit, q_out = names.queue("stats"), names.queue("audit"), names.queue("out")
+    await amqp_channel.declare_queue(q_out, durable=True)
+
+    @queue(q_orders, version=1, content="json", handler_id="stats.orders.v1")
+    async def on_order(item: Json[Item], event_id: EventId, mongo: MongoScope) -> None:
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
+        await mongo.outbox.publish_json(q_out, {"n": item.n}, version=1)
+
+    @queue(q_audit, version=1, content="json", handler_id="stats.audit.v1")
+    async def on_audit(item: Json[Item], event_id: EventId, mongo: MongoScope) -> None:
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
+
+    consumer = Consumer(
+        amqp_url=amqp, mongo_client=mongo_client, database=database_name, name="stats", graceful_timeout=10.0
+    )
+    for q in (q_orders, q_audit):
+        consumer.configure_queue(q, concurrency=1, prefetch=4, retry=RetryPolicy(max_retries=1, delays=(0.2,)))
+    consumer.include(on_order, on_audit)
+    outbox = mongo_client[database_name]["lily_outbox"]
+    async with started(consumer) as managed:
+        events = [await publish_one(amqp, q_orders, {"n": n}) for n in range(3)]
+        await publish_one(amqp, q_audit, {"n": 99})
+
+        async def all_settled() -> bool:
+            return count_outcome(managed, "acked") == 4
+
+        await wait_until(all_settled, "four deliveries acked")
+        await publish_one(amqp, q_orders, {"n": 0}, event_id=events[0])  # a duplicate copy
+
+        async def duplicate_absorbed() -> bool:
+            return count_outcome(managed, "duplicate") == 1
+
+        async def relayed() -> bool:
+            return await outbox.count_documents({"status": "published"}) == 3
+
+        await wait_until(duplicate_absorbed, "the duplicate settled")
+        await wait_until(relayed, "three outbox records published")
+    assert sorted(final_outcomes(managed)) == ["acked", "acked", "acked", "acked", "duplicate"]
+    assert await queue_depth(amqp_channel, q_out) == 3
+
+    result = await run_cli(
+        "inbox", "stats", database_name, "--mongo-uri", mongo_uri, "--json", env=cli_env(amqp, mongo_uri)
+    )
+    assert result.returncode == 0, result.describe()
+    stats = json.loads(result.stdout)
+    assert stats == {
+        "stats.orders.v1": {
+            "completed": 3,
+            "live_leases": 0,
+            "stale_leases": 0,
+            "outbox_pending": 0,
+            "outbox_published": 3,
+            "outbox_failed": 0,
+        },
+        "stats.audit.v1": {
+            "completed": 1,
+            "live_leases": 0,
+            "stale_leases": 0,
+            "outbox_pending": 0,
+            "outbox_published": 0,
+            "outbox_failed": 0,
+        },
+    }
+
+
+# -- demo -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+async def test_demo_passes_its_ledger_check(amqp: str, mongo_uri: str, failpoints: FailPoints) -> None:
+    # The demo injects transient failures with a failCommand failpoint on this server; the
+    # `failpoints` fixture switches it off afterwards whatever happens.
+    result = await run_cli(
+        "demo", "--orders", "40", "--timeout", "120", "--seed", "2", env=cli_env(amqp, mongo_uri), timeout=150
+    )
+    assert result.returncode == 0, result.describe()
+    (ledger,) = [line for line in result.stdout.splitlines() if "ledger check" in line]
+    assert "PASS" in ledger, result.describe()
+    assert "ledger:" not in result.stdout  # no ledger problem lines
+
+
+async def test_demo_without_a_broker_says_how_to_start_one(mongo_uri: str) -> None:
+    result = await run_cli("demo", "--orders", "10", env=cli_env(CLOSED_PORT_AMQP_URL, mongo_uri), timeout=30)
+    assert result.returncode == 3, result.describe()
+    message = " ".join(result.stderr.split())
+    assert "RabbitMQ is not reachable" in message, result.describe()
+    assert "rabbitmq-server -detached" in message
+    assert "docker compose up -d rabbitmq" in message
+    assert "guest:guest" not in message  # the URL is shown with its password redacted
+    assert "Traceback" not in result.stderr
