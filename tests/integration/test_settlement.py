@@ -723,3 +723,54 @@ async def test_transport_lost_is_reported_as_such(
         assert obs.outcome == "unresolved"
         assert "transport lost" in obs.reason
     assert lily_errors(caplog) == []
+
+
+async def test_dlq_copy_keeps_the_original_message_properties(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+) -> None:
+    q = names.queue("props")
+
+    @queue(q, version=1)
+    async def refuse(order: Json[Order]) -> None:
+        raise QueueHandlerError.permanent("ORDER_INVALID", "no lines")
+
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(q, retry=RetryPolicy(max_retries=0, delays=()))
+    consumer.include(refuse)
+    sent_at = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
+    headers = {
+        "x-lily-event-id": str(uuid.uuid4()),
+        "x-lily-schema-version": "1",
+        "x-lily-content-kind": "json",
+        "x-tenant": "acme",
+    }
+    async with started(consumer) as managed:
+        await amqp_channel.default_exchange.publish(
+            aio_pika.Message(
+                b'{"id": 1}',
+                headers=headers,
+                content_type="application/json",
+                correlation_id="corr-42",
+                reply_to="replies",
+                app_id="orders-web",
+                type="order.created",
+                timestamp=sent_at,
+                message_id="producer-id-1",
+            ),
+            routing_key=q,
+        )
+        [observation] = await wait_observations(managed, 1)
+    assert observation.outcome == "dead_lettered"
+    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert copy.correlation_id == "corr-42"
+    assert copy.reply_to == "replies"
+    assert copy.app_id == "orders-web"
+    assert copy.type == "order.created"
+    assert copy.timestamp == sent_at
+    assert copy.content_type == "application/json"
+    assert copy.body == b'{"id": 1}'
+    assert copy.headers["x-tenant"] == "acme"
+    assert copy.headers["x-lily-event-id"] == headers["x-lily-event-id"]
+    assert copy.headers["x-lily-failure-code"] == "ORDER_INVALID"
+    # A fresh message id: the client matches returned messages to publishes by it.
+    assert copy.message_id != "producer-id-1"
