@@ -7,9 +7,11 @@ import re
 
 import aio_pika
 import aio_pika.abc
+import aiormq.exceptions
 from aio_pika.connection import make_url
 
 from ._tasks import uncancellable
+from .errors import TransportError
 
 __all__ = ["connect_amqp", "redact_url"]
 
@@ -32,8 +34,12 @@ async def connect_amqp(url: str, *, robust: bool = True) -> aio_pika.abc.Abstrac
     )
     try:
         await connection.connect()
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(Exception):
             await uncancellable(connection.close())
+        if isinstance(exc, aiormq.exceptions.AMQPError | OSError | TimeoutError):
+            raise TransportError(
+                f"cannot connect to RabbitMQ at {redact_url(url)}: {type(exc).__name__}: {exc}"[:500]
+            ) from exc
         raise
     return connection

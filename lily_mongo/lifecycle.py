@@ -29,10 +29,11 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aio_pika.abc
+from pymongo.errors import PyMongoError
 
 from ._connect import connect_amqp, redact_url
 from ._tasks import uncancellable as _uncancellable
-from .errors import ConfigError, LilyError
+from .errors import ConfigError, LilyError, TransportError
 from .observe import Snapshot, TerminalObservation
 from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions
 from .runtime import Runtime, TaskSet
@@ -256,6 +257,13 @@ class ManagedConsumer:
     def __repr__(self) -> str:
         return f"<ManagedConsumer name={self._consumer.name!r} state={self._state.value}>"
 
+    async def __aenter__(self) -> ManagedConsumer:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Leaving ``async with await consumer.start() as managed:`` shuts down gracefully."""
+        await self.shutdown()
+
     @property
     def state(self) -> str:
         """The lifecycle state: starting, running, draining, forcing or stopped."""
@@ -278,7 +286,10 @@ class ManagedConsumer:
                 tasks=self._tasks,
                 uses_inbox=self.plan.uses_inbox,
             )
-            await self._inbox.prepare()
+            try:
+                await self._inbox.prepare()
+            except PyMongoError as exc:
+                raise TransportError(f"MongoDB refused the inbox set-up: {type(exc).__name__}: {exc}"[:500]) from exc
         self._runtime = Runtime(
             self.plan, self._connection, self._tasks, inbox=self._inbox, confirm_timeout=consumer._confirm_timeout
         )

@@ -7,7 +7,7 @@ import uuid
 import aio_pika.abc
 import pytest
 
-from lily_mongo import Publisher
+from lily_mongo import Bytes, Consumer, Publisher, TransportError, queue
 from lily_mongo.errors import PublishError
 from tests.support import BrokerNames, drain
 
@@ -68,3 +68,21 @@ async def test_header_types_on_the_wire(
     assert headers["traceparent"] == traceparent
     assert message.content_type == "application/octet-stream"
     assert message.body == b"\x00\x01"
+
+
+async def test_unreachable_broker_raises_transport_error_without_the_password() -> None:
+    with pytest.raises(TransportError) as caught:
+        async with Publisher("amqp://guest:s3cret@127.0.0.1:1/"):
+            pass
+    assert "s3cret" not in str(caught.value)
+    assert "amqp://guest:***@127.0.0.1:1/" in str(caught.value)
+
+
+async def test_consumer_start_with_unreachable_broker_raises_transport_error() -> None:
+    @queue("lt.unreachable", version=1)
+    async def handler(body: Bytes) -> None: ...
+
+    consumer = Consumer(amqp_url="amqp://guest:s3cret@127.0.0.1:1/", name="t")
+    consumer.include(handler)
+    with pytest.raises(TransportError, match="cannot connect to RabbitMQ"):
+        await consumer.start()
