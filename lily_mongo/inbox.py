@@ -273,10 +273,16 @@ class Inbox:
         from .runtime import Execution
 
         key = f"{route.handler_id}|{delivery.envelope.event_id}"
-        if await self.completions.find_one({"_id": key}, projection={"_id": 1}) is not None:
-            return Execution(PipelineResult(Outcome.DUPLICATE))
         owner = f"{self.owner_prefix}:{self.instance}:{uuid.uuid4().hex[:12]}"
-        lease_doc = await self._acquire(key, owner)
+        try:
+            if await self.completions.find_one({"_id": key}, projection={"_id": 1}) is not None:
+                return Execution(PipelineResult(Outcome.DUPLICATE))
+            lease_doc = await self._acquire(key, owner)
+        except PyMongoError as exc:
+            # The database is unreachable or refused: infrastructure, not an application
+            # failure. Requeue (bounded) without running the handler.
+            reason = f"inbox unavailable: {type(exc).__name__}"
+            return Execution(PipelineResult(Outcome.DEFERRED, "MONGO_UNAVAILABLE", reason))
         if lease_doc.get("owner") != owner:
             remaining = self._remaining(lease_doc)
             return Execution(

@@ -215,7 +215,7 @@ class OutboxRelay:
             return
         now = utcnow()
         try:
-            await self._collection.update_one(
+            marked = await self._collection.update_one(
                 fence,
                 {
                     "$set": {
@@ -226,7 +226,8 @@ class OutboxRelay:
                     "$unset": {"claim_expires": ""},
                 },
             )
-            self.published += 1
+            if marked.matched_count:
+                self.published += 1
         except PyMongoError:
             # Published but not marked: the claim expires and the record is published
             # again (at-least-once); downstream consumers deduplicate by event id.

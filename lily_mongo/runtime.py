@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import aio_pika
@@ -60,7 +61,7 @@ __all__ = ["DeliveryContext", "Execution", "Runtime", "TaskSet"]
 
 log = logging.getLogger("lily_mongo")
 
-_HANDOFF_FAILURE_MEMORY = 4096
+_COUNTER_MEMORY = 4096
 
 
 class TaskSet:
@@ -140,6 +141,7 @@ class _Delivery:
     deadline_hit: bool = False
     dropped: bool = False
     finished: bool = False
+    settle_task: asyncio.Task[Any] | None = None
 
 
 @dataclass(slots=True)
@@ -164,6 +166,7 @@ class QueueRuntime:
         self.counters = QueueCounters()
         self.handoff_failures: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.dlq_unroutable = False
+        self.deferral_counts: collections.OrderedDict[bytes, int] = collections.OrderedDict()
 
     def snapshot(self) -> QueueSnapshot:
         c = self.counters
@@ -264,7 +267,7 @@ class Runtime:
             qr.free_permits += 1
 
     async def stop_intake(self) -> list[BaseException]:
-        """Cancel consumers, stop the intake loops and return buffered (unstarted) deliveries."""
+        """Cancel consumers, stop admission and return buffered (unstarted) deliveries."""
         errors: list[BaseException] = []
         self.accepting = False
         for qr in self.queues.values():
@@ -314,7 +317,7 @@ class Runtime:
         evidence = evidence or Evidence()
         execution = state.execution or Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_FAILED, ""))
         terminal = step.terminal.value if step is not None and step.terminal else Terminal.UNRESOLVED.value
-        if step is None:
+        if terminal == Terminal.UNRESOLVED.value:
             qr.counters.unresolved += 1
         qr.counters.outcomes[terminal] += 1
         if self.shutting_down:
@@ -348,7 +351,12 @@ class Runtime:
 
     def unsettled(self) -> set[asyncio.Task[Any]]:
         """Delivery tasks whose delivery has not reached a terminal outcome yet (zombies excluded)."""
-        return {task for task, state in self.deliveries.items() if not state.finished}
+        pending: set[asyncio.Task[Any]] = set()
+        for task, state in self.deliveries.items():
+            if not state.finished:
+                # A dropped delivery is being settled by its own task; wait for that one.
+                pending.add(state.settle_task if state.settle_task is not None else task)
+        return pending
 
     def abandon_unfinished(self) -> int:
         """After a forced shutdown: record every delivery that could not settle as unresolved."""
@@ -381,7 +389,7 @@ class Runtime:
             return PipelineResult(Outcome.PERMANENT, target, reason), envelope
         delivery = RawDelivery(
             queue=options.name,
-            headers=message.headers,
+            headers=MappingProxyType(message.headers or {}),  # read-only: handoff copies use these
             body=message.body,
             content_type=message.content_type,
             redelivered=bool(message.redelivered),
@@ -450,7 +458,7 @@ class Runtime:
         state.qr.counters.abandoned += 1
         reason = f"handler exceeded the delivery deadline of {state.qr.options.deadline:g} s and was dropped"
         state.execution = Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_TIMEOUT, reason), attempts=1)
-        self.tasks.spawn(self._settle_dropped(state), name="lily-dropped")
+        state.settle_task = self.tasks.spawn(self._settle_dropped(state), name="lily-dropped")
 
     async def _settle_dropped(self, state: _Delivery) -> None:
         step: Step | None = None
@@ -546,12 +554,17 @@ class Runtime:
         result = execution.result
         if result.outcome is Outcome.DEFERRED:
             qr.counters.deferrals += 1
+            # The lease document counts lease deferrals; deferrals that never reached a
+            # lease (database unavailable, forced shutdown) are counted here, and a quorum
+            # queue's x-delivery-count bounds them across processes too.
+            local = _bump(qr.deferral_counts, key)
+            delivery_count = (message.headers or {}).get("x-delivery-count")
+            broker = delivery_count if type(delivery_count) is int else 0
+            budget = dataclasses.replace(budget, deferrals=max(execution.deferrals, local, broker))
         while True:
             evidence = Evidence(evidence.handoff, evidence.settle, self._authority(message), evidence.settled_with)
             step = decide(result, budget, evidence)
             if step.kind in (StepKind.DONE, StepKind.UNRESOLVED):
-                if step.kind is StepKind.UNRESOLVED:
-                    qr.counters.unresolved += 1
                 return step, evidence
             if step.kind in (StepKind.PUBLISH_RETRY, StepKind.PUBLISH_DLQ):
                 try:
@@ -576,11 +589,7 @@ class Runtime:
             evidence = await self._write_settlement(message, step.kind, evidence)
 
     def _count_handoff_failure(self, qr: QueueRuntime, key: bytes) -> None:
-        failures = qr.handoff_failures
-        failures[key] = failures.get(key, 0) + 1
-        failures.move_to_end(key)
-        while len(failures) > _HANDOFF_FAILURE_MEMORY:
-            failures.popitem(last=False)
+        _bump(qr.handoff_failures, key)
 
     def _requeue_backoff(self, qr: QueueRuntime, execution: Execution, budget: Budget, evidence: Evidence) -> float:
         """Short jittered pause before a requeue so a held lease does not cause a hot loop."""
@@ -640,6 +649,15 @@ class Runtime:
 
     def snapshots(self) -> tuple[QueueSnapshot, ...]:
         return tuple(qr.snapshot() for qr in self.queues.values())
+
+
+def _bump(counts: collections.OrderedDict[bytes, int], key: bytes) -> int:
+    """Increment a bounded per-delivery counter (least recently used entries are forgotten)."""
+    counts[key] = counts.get(key, 0) + 1
+    counts.move_to_end(key)
+    while len(counts) > _COUNTER_MEMORY:
+        counts.popitem(last=False)
+    return counts[key]
 
 
 def _channel_alive(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
