@@ -32,6 +32,18 @@ LONG_INT_HEADERS: frozenset[str] = frozenset({"x-retry-count"})
 _LONG_INT = struct.Struct(">i")
 
 
+def _field_value(value: Any) -> Any:
+    """pamqp encodes byte arrays from ``bytearray`` only; ``bytes`` (what MongoDB and most
+    callers hand back) becomes a byte array too, nested values included."""
+    if isinstance(value, bytes):
+        return bytearray(value)
+    if isinstance(value, dict):
+        return {k: _field_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_field_value(v) for v in value]
+    return value
+
+
 def encode_headers_table(headers: Mapping[str, Any]) -> bytes:
     """Encode an AMQP field table like pamqp does, but LongInt for :data:`LONG_INT_HEADERS`."""
     if not headers:
@@ -41,6 +53,8 @@ def encode_headers_table(headers: Mapping[str, Any]) -> bytes:
         parts.append(encode.short_string(key))
         if key in LONG_INT_HEADERS and type(value) is int:
             parts.append(b"I" + _LONG_INT.pack(value))
+        elif isinstance(value, bytes | dict | list | tuple):
+            parts.append(encode.encode_table_value(_field_value(value)))
         else:
             parts.append(encode.encode_table_value(value))
     payload = b"".join(parts)
@@ -86,6 +100,10 @@ async def basic_publish(
         expiration=expiration,
     )
     where = f"exchange {exchange!r} routing key {routing_key!r}"
+    try:
+        frame_properties.marshal()  # encode now, so a bad header fails here, not in the writer
+    except (TypeError, ValueError) as exc:
+        raise PublishError("invalid", f"{where}: the message cannot be encoded as AMQP: {exc}"[:300]) from exc
     try:
         confirmation = await channel.basic_publish(
             body,

@@ -37,6 +37,7 @@ class ErrorCode(enum.StrEnum):
     DEFERRALS_EXHAUSTED = "QUEUE_DEFERRALS_EXHAUSTED"
     HANDLER_FAILED = "QUEUE_HANDLER_FAILED"
     HANDLER_TIMEOUT = "QUEUE_HANDLER_TIMEOUT"
+    GUARD_REJECTED = "QUEUE_GUARD_REJECTED"
 
 
 class LilyError(Exception):
@@ -96,9 +97,10 @@ class TransportError(LilyError):
 
 
 class PublishError(TransportError):
-    """A publish was not confirmed: unroutable (returned), nacked, timed out or its channel closed."""
+    """A publish was not confirmed: unroutable (returned), nacked, timed out, its channel closed,
+    or (``invalid``) the message could not be encoded as AMQP."""
 
-    def __init__(self, kind: Literal["unroutable", "nacked", "timeout", "closed"], detail: str) -> None:
+    def __init__(self, kind: Literal["unroutable", "nacked", "timeout", "closed", "invalid"], detail: str) -> None:
         super().__init__(f"publish {kind}: {detail}")
         self.kind = kind
         self.detail = detail

@@ -137,6 +137,13 @@ class OutboxRelay:
     async def run(self, channel: aio_pika.abc.AbstractChannel, confirm_timeout: float) -> None:
         """Relay until stopped: claim, publish with confirm, mark; poll when idle."""
         while not self._stopping:
+            if channel.is_closed:
+                # The broker closed the channel (e.g. a record named a missing exchange);
+                # the robust channel reopens it. Claim nothing meanwhile.
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=self._options.poll_interval)
+                continue
             try:
                 record = await self._claim()
             except PyMongoError as exc:
@@ -185,7 +192,7 @@ class OutboxRelay:
         return record
 
     async def _publish(self, record: dict[str, Any], channel: aio_pika.abc.AbstractChannel, timeout: float) -> None:
-        fence = {"_id": record["_id"], "claim_token": record["claim_token"]}
+        fence = {"_id": record.get("_id"), "claim_token": record.get("claim_token")}
         try:
             underlay = await channel.get_underlay_channel()
             await basic_publish(
@@ -197,9 +204,11 @@ class OutboxRelay:
                 content_type=record.get("content_type"),
                 timeout=timeout,
             )
-        except (PublishError, RuntimeError) as exc:
+        except Exception as exc:
+            # Any failure of one record (broker refusal, a record that cannot be encoded
+            # or is malformed) is a failed attempt of that record; the relay goes on.
             attempts = int(record.get("attempts", 0)) + 1
-            kind = exc.kind if isinstance(exc, PublishError) else "closed"
+            kind = exc.kind if isinstance(exc, PublishError) else f"failed ({type(exc).__name__})"
             failed = attempts >= self._options.max_attempts
             delay = min(self._options.backoff_base * 2 ** (attempts - 1), self._options.backoff_max)
             update: dict[str, Any] = {

@@ -39,8 +39,9 @@ Guarantee = Literal["at_least_once", "inbox"]
 QueueType = Literal["classic", "quorum"]
 Middleware = Callable[["DeliveryContext", Callable[[], Awaitable[None]]], Awaitable[None]]
 """``async def mw(ctx, call_next) -> None``: wraps the rest of the pipeline."""
-Guard = Callable[["DeliveryContext"], Awaitable[None]]
-"""``async def guard(ctx) -> None``: a pre-handler check; raise QueueHandlerError to refuse."""
+Guard = Callable[["DeliveryContext"], Awaitable[bool | None]]
+"""``async def guard(ctx) -> bool | None``: a pre-handler check. Raise QueueHandlerError to refuse
+with your own code, or return False to refuse with permanent ``QUEUE_GUARD_REJECTED``."""
 
 _HANDLER_ATTR = "__lily_routes__"
 # Longest derived name: "<queue>.retry.<31>" (SPEC section 3 topology).

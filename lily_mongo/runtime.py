@@ -511,7 +511,9 @@ class Runtime:
 
         async def call_handler() -> None:
             for guard in route.guards:
-                await guard(ctx)
+                if await guard(ctx) is False:
+                    name = getattr(guard, "__qualname__", type(guard).__name__)
+                    raise QueueHandlerError.permanent(ErrorCode.GUARD_REJECTED, f"guard {name} refused the delivery")
             kwargs: dict[str, Any] = {}
             for p in route.parameters:
                 if p.extractor is None:

@@ -1,0 +1,670 @@
+"""The transactional outbox and its relay against the real broker and the MongoDB-wire server (SPEC section 5).
+
+A handler stages messages with ``mongo.outbox.publish_*``: the record commits with
+the handler's writes or not at all, and the relay publishes committed records
+mandatory with confirms, marks them ``published`` (TTL retention), retries with
+backoff and parks a record as ``failed`` after ``max_attempts``. Every test
+asserts the outbox documents and what the downstream queue holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import inspect
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aio_pika.abc
+import orjson
+import pytest
+from bson import Binary
+from pymongo import AsyncMongoClient
+
+from lily_mongo import (
+    ConfigError,
+    Consumer,
+    DeliveryContext,
+    EventId,
+    InboxOptions,
+    Json,
+    ManagedConsumer,
+    MongoScope,
+    Publisher,
+    QueueHandlerError,
+    RelayOptions,
+    RetryPolicy,
+    queue,
+)
+from lily_mongo.envelope import validate_envelope
+from lily_mongo.outbox import OutboxRelay
+from lily_mongo.publisher import JSON, prepare_publication
+from tests.support import BrokerNames, FailPoints, drain, queue_depth, wait_for_depth
+
+OUTBOX = "lily_outbox"
+EFFECTS = "effects"
+FAST_RELAY = RelayOptions(poll_interval=0.1)
+SEVEN_DAYS = 7 * 24 * 3600.0
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+async def eventually(
+    check: Callable[[], bool] | Callable[[], Awaitable[bool]], *, timeout: float = 10.0, what: str = "condition"
+) -> None:
+    """Poll ``check`` (sync or async) until it holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def running(consumer: Consumer) -> AsyncIterator[ManagedConsumer]:
+    managed = await consumer.start()
+    try:
+        yield managed
+    finally:
+        await managed.shutdown()  # returns the same report when the test already shut down
+
+
+def make_consumer(
+    amqp: str,
+    client: AsyncMongoClient[Any],
+    database: str,
+    q: str,
+    *handlers: Callable[..., Awaitable[None]],
+    inbox: InboxOptions | None = None,
+    name: str = "outbox-test",
+    **queue_options: Any,
+) -> Consumer:
+    consumer = Consumer(
+        amqp_url=amqp,
+        mongo_client=client,
+        database=database,
+        name=name,
+        inbox=inbox or InboxOptions(relay=FAST_RELAY),
+        graceful_timeout=10.0,
+        force_timeout=2.0,
+    )
+    queue_options.setdefault("concurrency", 1)
+    queue_options.setdefault("prefetch", 4)
+    queue_options.setdefault("retry", RetryPolicy(max_retries=1, delays=(30,)))
+    consumer.configure_queue(q, **queue_options)
+    consumer.include(*handlers)
+    return consumer
+
+
+async def declare_downstream(channel: aio_pika.abc.AbstractChannel, name: str) -> None:
+    await channel.declare_queue(name, durable=True)
+
+
+async def publish(amqp: str, q: str, payload: Any, *, event_id: uuid.UUID | None = None) -> uuid.UUID:
+    async with Publisher(amqp) as publisher:
+        return await publisher.publish_json(q, payload, version=1, event_id=event_id)
+
+
+def outbox_record(routing_key: str, payload: Any, **fields: Any) -> dict[str, Any]:
+    """A pending record shaped like the ones ``Outbox.publish`` writes (for relays run directly)."""
+    publication = prepare_publication(JSON, routing_key, payload, version=1)
+    now = datetime.datetime.now(datetime.UTC)
+    record: dict[str, Any] = {
+        "_id": uuid.uuid4().hex,
+        "event_id": str(publication.event_id),
+        "exchange": publication.exchange,
+        "routing_key": publication.routing_key,
+        "body": Binary(publication.body),
+        "headers": publication.headers,
+        "content_type": publication.content_type,
+        "handler": "direct/test",
+        "status": "pending",
+        "attempts": 0,
+        "created_at": now,
+        "available_at": now,
+    }
+    record.update(fields)
+    return record
+
+
+@contextlib.asynccontextmanager
+async def relays_running(
+    connection: aio_pika.abc.AbstractConnection, relays: list[OutboxRelay]
+) -> AsyncIterator[list[asyncio.Task[None]]]:
+    """Run relays on their own confirming channels; stop and join them afterwards."""
+    channels = [await connection.channel(publisher_confirms=True, on_return_raises=True) for _ in relays]
+    tasks = [
+        asyncio.create_task(relay.run(channel, 5.0), name=f"test-relay-{i}")
+        for i, (relay, channel) in enumerate(zip(relays, channels, strict=True))
+    ]
+    try:
+        yield tasks
+    finally:
+        for relay in relays:
+            relay.stop()
+        async with asyncio.timeout(10):
+            await asyncio.gather(*tasks)
+        for channel in channels:
+            if not channel.is_closed:
+                await channel.close()
+
+
+def event_ids(messages: list[aio_pika.abc.AbstractIncomingMessage]) -> list[str]:
+    return [str(m.headers["x-lily-event-id"]) for m in messages]
+
+
+def outcomes(managed: ManagedConsumer) -> list[str]:
+    return [o.outcome for o in managed.delivery_terminal_observations()]
+
+
+# -- a committed record is relayed ----------------------------------------------------------------
+
+
+async def test_committed_record_is_published_with_canonical_headers_and_marked(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    q, down = names.queue("src"), names.queue("down")
+    await declare_downstream(amqp_channel, down)
+    given = uuid.uuid4()
+    staged: list[tuple[uuid.UUID, uuid.UUID]] = []
+
+    @queue(q, version=1, content="json", handler_id=f"{q}/relay")
+    async def handle(order: Json[dict[str, Any]], event_id: EventId, mongo: MongoScope) -> None:
+        first = await mongo.outbox.publish_json(down, {"order": order["n"], "from": str(event_id)}, version=1)
+        second = await mongo.outbox.publish_json(down, {"order": order["n"], "copy": True}, version=2, event_id=given)
+        staged.append((first, second))
+
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    async with running(consumer) as managed:
+        source = await publish(amqp, q, {"n": 7})
+        await eventually(lambda: managed.snapshot().outbox_published == 2, what="two records relayed")
+        assert await wait_for_depth(amqp_channel, down, 2) == 2
+        await eventually(lambda: managed.snapshot().outbox_pending == 0, what="the relay's idle count")
+    assert outcomes(managed) == ["acked"]
+    generated, returned_given = staged[-1]
+    assert returned_given == given
+    assert generated != given
+
+    messages = {str(m.headers["x-lily-event-id"]): m for m in await drain(amqp_channel, down)}
+    assert set(messages) == {str(generated), str(given)}
+    for event, version, payload in (
+        (generated, "1", {"order": 7, "from": str(source)}),
+        (given, "2", {"order": 7, "copy": True}),
+    ):
+        message = messages[str(event)]
+        assert message.headers["x-lily-schema-version"] == version
+        assert message.headers["x-lily-content-kind"] == "json"
+        assert "x-retry-count" not in message.headers
+        assert message.content_type == "application/json"
+        assert message.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
+        assert orjson.loads(message.body) == payload
+        envelope = validate_envelope(message.headers, len(message.body))
+        assert (envelope.event_id, envelope.schema_version) == (event, int(version))
+
+    records = await mongo_client[database_name][OUTBOX].find({}).to_list()
+    assert sorted(r["event_id"] for r in records) == sorted([str(generated), str(given)])
+    for record in records:
+        assert record["status"] == "published"
+        assert record["handler"] == f"{q}/relay"
+        assert record["attempts"] == 0
+        assert "claim_expires" not in record
+        assert (record["expires_at"] - record["published_at"]).total_seconds() == pytest.approx(SEVEN_DAYS, abs=1)
+    assert managed.snapshot().outbox_failed == 0
+    # Published records are retained by a TTL index on expires_at.
+    indexes = await mongo_client[database_name][OUTBOX].index_information()
+    assert [i.get("expireAfterSeconds") for i in indexes.values() if i["key"] == [("expires_at", 1)]] == [0]
+
+
+async def test_aborted_attempt_publishes_nothing(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    q, down = names.queue("abort"), names.queue("down")
+    await declare_downstream(amqp_channel, down)
+    calls: list[uuid.UUID] = []
+
+    @queue(q, version=1, content="json")
+    async def handle(event_id: EventId, mongo: MongoScope) -> None:
+        calls.append(event_id)
+        await mongo.outbox.publish_json(down, {"from": str(event_id)}, version=1)
+        raise QueueHandlerError.permanent("ORDER_INVALID", "no lines")
+
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    async with running(consumer) as managed:
+        event = await publish(amqp, q, {"n": 1})
+        await eventually(lambda: outcomes(managed) == ["dead_lettered"], what="the DLQ handoff")
+        # Several relay polls pass: nothing is there to publish.
+        await asyncio.sleep(0.5)
+        await eventually(lambda: managed.snapshot().outbox_pending == 0, what="the relay's idle count")
+        assert managed.snapshot().outbox_published == 0
+    assert calls == [event]
+    assert await mongo_client[database_name][OUTBOX].count_documents({}) == 0
+    assert await queue_depth(amqp_channel, down) == 0
+    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert copy.headers["x-lily-failure-code"] == "ORDER_INVALID"
+    assert copy.headers["x-lily-event-id"] == str(event)
+
+
+async def test_transient_replay_writes_and_publishes_exactly_one_record(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    failpoints: FailPoints,
+) -> None:
+    q, down = names.queue("replay"), names.queue("down")
+    await declare_downstream(amqp_channel, down)
+    staged: list[uuid.UUID] = []
+
+    @queue(q, version=1, content="json")
+    async def handle(event_id: EventId, mongo: MongoScope) -> None:
+        # The outbox write comes first, so the failing attempt has already staged a record.
+        staged.append(await mongo.outbox.publish_json(down, {"from": str(event_id)}, version=1))
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
+
+    attempts: list[int] = []
+
+    async def middleware(ctx: DeliveryContext, call_next: Callable[[], Awaitable[None]]) -> None:
+        attempts.append(ctx.attempt)  # every replay is a fresh middleware invocation
+        await call_next()
+
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    consumer.use(middleware)
+    async with running(consumer) as managed:
+        await mongo_client.admin.command(
+            {
+                "configureFailPoint": "failCommand",
+                "mode": {"times": 1},
+                "data": {
+                    "failCommands": ["insert"],
+                    "errorCode": 112,
+                    "errorLabels": ["TransientTransactionError"],
+                    "namespace": f"{database_name}.{EFFECTS}",
+                },
+            }
+        )
+        event = await publish(amqp, q, {"n": 1})
+        await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery")
+        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the relay")
+        assert await wait_for_depth(amqp_channel, down, 1) == 1
+        await asyncio.sleep(0.3)  # a few relay polls: no second message appears
+        assert await queue_depth(amqp_channel, down) == 1
+    await failpoints.clear()
+    [observation] = managed.delivery_terminal_observations()
+    assert observation.transient_replays >= 1
+    assert len(staged) == observation.attempts == observation.transient_replays + 1
+    assert len(set(staged)) == len(staged)  # every attempt stages its own message
+    assert attempts == list(range(1, observation.attempts + 1))
+    db = mongo_client[database_name]
+    [record] = await db[OUTBOX].find({}).to_list()
+    assert record["event_id"] == str(staged[-1])
+    assert record["status"] == "published"
+    assert await db[EFFECTS].count_documents({"event_id": str(event)}) == 1
+    assert event_ids(await drain(amqp_channel, down)) == [str(staged[-1])]
+
+
+# -- relay failures -------------------------------------------------------------------------------
+
+
+async def test_unroutable_record_is_retried_then_parked_as_failed(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    q = names.queue("unroutable")
+    nowhere = f"{names.prefix}.nowhere"  # no queue is bound to this routing key
+
+    @queue(q, version=1, content="json")
+    async def handle(event_id: EventId, mongo: MongoScope) -> None:
+        await mongo.outbox.publish_json(nowhere, {"from": str(event_id)}, version=1)
+
+    options = InboxOptions(relay=RelayOptions(max_attempts=2, backoff_base=0.05, poll_interval=0.1))
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options)
+    outbox = mongo_client[database_name][OUTBOX]
+    async with running(consumer) as managed:
+        await publish(amqp, q, {"n": 1})
+        await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery")
+
+        async def parked() -> bool:
+            return await outbox.count_documents({"status": "failed"}) == 1
+
+        await eventually(parked, what="the record parked as failed")
+        await eventually(lambda: managed.snapshot().outbox_failed == 1, what="snapshot().outbox_failed")
+        snapshot = managed.snapshot()
+        assert (snapshot.outbox_pending, snapshot.outbox_published) == (0, 0)
+    [record] = await outbox.find({}).to_list()
+    assert record["status"] == "failed"
+    assert record["attempts"] == 2
+    assert "unroutable" in record["last_error"]
+    assert "claim_expires" not in record
+    assert "published_at" not in record
+
+
+async def test_a_record_for_a_missing_exchange_does_not_stall_the_relay(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    """Publishing to a missing exchange makes the broker close the relay's channel; later records still go."""
+    q, down = names.queue("exchange"), names.queue("down")
+    await declare_downstream(amqp_channel, down)
+    missing = names.exchange("missing")  # never declared
+    staged: dict[str, uuid.UUID] = {}
+
+    @queue(q, version=1, content="json")
+    async def handle(order: Json[dict[str, Any]], mongo: MongoScope) -> None:
+        exchange = missing if order["bad"] else ""
+        staged[order["name"]] = await mongo.outbox.publish_json(down, order, version=1, exchange=exchange)
+
+    options = InboxOptions(relay=RelayOptions(max_attempts=2, backoff_base=0.05, poll_interval=0.1))
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options)
+    outbox = mongo_client[database_name][OUTBOX]
+    async with running(consumer) as managed:
+        await publish(amqp, q, {"name": "bad", "bad": True})
+        await eventually(lambda: outcomes(managed) == ["acked"], what="the first delivery")
+
+        async def parked() -> bool:
+            return await outbox.count_documents({"status": "failed"}) == 1
+
+        # The broker closed the relay's channel on every attempt (404 NOT_FOUND): it is parked after two.
+        await eventually(parked, what="the record for the missing exchange parked")
+        await publish(amqp, q, {"name": "good", "bad": False})
+        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the good record published")
+        await eventually(lambda: managed.snapshot().outbox_failed == 1, what="the bad record parked")
+    assert event_ids(await drain(amqp_channel, down)) == [str(staged["good"])]
+    bad = await outbox.find_one({"event_id": str(staged["bad"])})
+    assert bad is not None
+    assert (bad["status"], bad["attempts"]) == ("failed", 2)
+    good = await outbox.find_one({"event_id": str(staged["good"])})
+    assert good is not None
+    assert (good["status"], good["attempts"]) == ("published", 0)
+
+
+async def test_binary_header_values_are_relayed_as_byte_arrays(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    """A bytes header value passes validation and BSON; the relay sends it as an AMQP byte array."""
+    q, down = names.queue("encode"), names.queue("down")
+    await declare_downstream(amqp_channel, down)
+    staged: dict[str, uuid.UUID] = {}
+
+    @queue(q, version=1, content="json")
+    async def handle(order: Json[dict[str, Any]], mongo: MongoScope) -> None:
+        headers = {"x-fingerprint": b"\x00\x01", "x-nested": {"raw": [b"\xff"]}}
+        staged["one"] = await mongo.outbox.publish_json(down, order, version=1, headers=headers)
+
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    async with running(consumer) as managed:
+        await publish(amqp, q, {"name": "one"})
+        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the record published")
+    [message] = await drain(amqp_channel, down)
+    assert message.headers["x-lily-event-id"] == str(staged["one"])
+    assert bytes(message.headers["x-fingerprint"]) == b"\x00\x01"
+    assert [bytes(v) for v in message.headers["x-nested"]["raw"]] == [b"\xff"]
+
+
+async def test_a_malformed_record_is_a_failed_attempt_and_the_relay_goes_on(
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    """A record the relay cannot publish (here: its routing key field is missing) is parked after
+    its attempts; records after it are still published by the same relay."""
+    down = names.queue("down")
+    await declare_downstream(amqp_channel, down)
+    outbox = mongo_client[database_name][OUTBOX]
+    broken = outbox_record(down, {"n": 0})
+    del broken["routing_key"]
+    await outbox.insert_one(broken)
+    good = outbox_record(down, {"n": 1}, available_at=broken["available_at"] + datetime.timedelta(milliseconds=1))
+    await outbox.insert_one(good)
+    relay = OutboxRelay(outbox, RelayOptions(max_attempts=1, poll_interval=0.05, backoff_base=0.05), "relay-a")
+    async with relays_running(amqp_connection, [relay]) as tasks:
+        await wait_for_depth(amqp_channel, down, 1)
+
+        async def parked() -> bool:
+            doc = await outbox.find_one({"_id": broken["_id"]})
+            return doc is not None and doc["status"] == "failed"
+
+        await eventually(parked, what="the malformed record parked")
+        assert not any(task.done() for task in tasks)  # the relay is still running
+    assert event_ids(await drain(amqp_channel, down)) == [good["event_id"]]
+    doc = await outbox.find_one({"_id": broken["_id"]})
+    assert doc is not None
+    assert "KeyError" in doc["last_error"]
+
+
+# -- several relays, crash windows ----------------------------------------------------------------
+
+
+async def test_two_relays_publish_every_record_exactly_once(
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+) -> None:
+    down = names.queue("down")
+    await declare_downstream(amqp_channel, down)
+    outbox = mongo_client[database_name][OUTBOX]
+    records = [outbox_record(down, {"n": i}) for i in range(12)]
+    await outbox.insert_many(records)
+    relays = [OutboxRelay(outbox, RelayOptions(poll_interval=0.05), f"relay-{i}") for i in range(2)]
+    async with relays_running(amqp_connection, relays):
+
+        async def all_published() -> bool:
+            return await outbox.count_documents({"status": "published"}) == len(records)
+
+        await eventually(all_published, what="every record published")
+        await asyncio.sleep(0.3)  # both relays poll again: nothing is republished
+    messages = await drain(amqp_channel, down)
+    published = event_ids(messages)
+    assert len(published) == len(records)
+    assert sorted(published) == sorted(r["event_id"] for r in records)
+    assert sum(relay.published for relay in relays) == len(records)
+    for record in await outbox.find({}).to_list():
+        assert record["status"] == "published"
+        assert record["claim_owner"] in ("relay-0", "relay-1")
+
+
+async def test_expired_claim_is_taken_over_and_a_live_claim_is_respected(
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+) -> None:
+    down = names.queue("down")
+    await declare_downstream(amqp_channel, down)
+    outbox = mongo_client[database_name][OUTBOX]
+    now = datetime.datetime.now(datetime.UTC)
+    # A relay crashed after claiming: its claim expired a minute ago.
+    crashed = outbox_record(
+        down,
+        {"n": "crashed"},
+        claim_owner="crashed",
+        claim_token="t1",
+        claim_expires=now - datetime.timedelta(minutes=1),
+    )
+    # Another relay holds a live claim (it may be publishing right now).
+    held = outbox_record(
+        down, {"n": "held"}, claim_owner="alive", claim_token="t2", claim_expires=now + datetime.timedelta(hours=1)
+    )
+    await outbox.insert_many([crashed, held])
+    relay = OutboxRelay(outbox, RelayOptions(poll_interval=0.05), "relay-new")
+    async with relays_running(amqp_connection, [relay]):
+
+        async def taken_over() -> bool:
+            return await outbox.count_documents({"_id": crashed["_id"], "status": "published"}) == 1
+
+        await eventually(taken_over, what="the expired claim taken over")
+        await asyncio.sleep(0.5)  # ten polls while the other claim is live
+        still = await outbox.find_one({"_id": held["_id"]})
+        assert still is not None
+        assert (still["status"], still["claim_owner"], still["claim_token"]) == ("pending", "alive", "t2")
+        assert event_ids(await drain(amqp_channel, down)) == [crashed["event_id"]]
+        await eventually(lambda: relay.pending == 1, what="the relay's idle count")
+        # Once that claim expires, the record is published after all.
+        await outbox.update_one({"_id": held["_id"]}, {"$set": {"claim_expires": now - datetime.timedelta(seconds=1)}})
+
+        async def released() -> bool:
+            return await outbox.count_documents({"_id": held["_id"], "status": "published"}) == 1
+
+        await eventually(released, what="the formerly held record published")
+    assert event_ids(await drain(amqp_channel, down)) == [held["event_id"]]
+    taken = await outbox.find_one({"_id": crashed["_id"]})
+    assert taken is not None
+    assert taken["claim_owner"] == "relay-new"
+    assert relay.published == 2
+
+
+# -- lifecycle ------------------------------------------------------------------------------------
+
+
+async def test_graceful_shutdown_stops_the_relay_and_leaves_pending_records(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    q, down = names.queue("stop"), names.queue("down")
+    await declare_downstream(amqp_channel, down)
+
+    @queue(q, version=1, content="json")
+    async def handle(event_id: EventId, mongo: MongoScope) -> None:
+        raise AssertionError("no delivery is published in this test")
+
+    outbox = mongo_client[database_name][OUTBOX]
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
+    records = [outbox_record(down, {"n": i}, available_at=later) for i in range(3)]
+    await outbox.insert_many(records)
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    managed = await consumer.start()
+    try:
+        await eventually(lambda: managed.snapshot().outbox_pending == 3, what="the relay saw the pending records")
+    finally:
+        report = await managed.shutdown()
+    action = report.action("relay_stop")
+    assert (action.ok, action.observed, action.error) == (True, True, None)
+    assert action.duration < 2.0
+    assert report.succeeded is True, report.render()
+    for record in await outbox.find({}).to_list():
+        assert record["status"] == "pending"
+        assert record["attempts"] == 0
+        assert "claim_owner" not in record
+    assert await queue_depth(amqp_channel, down) == 0
+
+
+async def test_run_relay_false_leaves_records_pending_for_another_relay(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+) -> None:
+    q, down = names.queue("norelay"), names.queue("down")
+    await declare_downstream(amqp_channel, down)
+    staged: list[uuid.UUID] = []
+
+    @queue(q, version=1, content="json")
+    async def handle(event_id: EventId, mongo: MongoScope) -> None:
+        staged.append(await mongo.outbox.publish_json(down, {"from": str(event_id)}, version=1))
+
+    options = InboxOptions(run_relay=False, relay=FAST_RELAY)
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options)
+    outbox = mongo_client[database_name][OUTBOX]
+    async with running(consumer) as managed:
+        await publish(amqp, q, {"n": 1})
+        await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery")
+        await asyncio.sleep(0.5)  # what would be several relay polls
+        assert managed.snapshot().outbox_published == 0
+        assert await queue_depth(amqp_channel, down) == 0
+    report = await managed.shutdown()
+    assert report.succeeded is True, report.render()
+    [record] = await outbox.find({}).to_list()
+    assert (record["status"], record["attempts"], record["event_id"]) == ("pending", 0, str(staged[-1]))
+    assert "claim_owner" not in record
+    assert await queue_depth(amqp_channel, down) == 0
+    # A relay run elsewhere picks it up.
+    relay = OutboxRelay(outbox, RelayOptions(poll_interval=0.05), "relay-elsewhere")
+    async with relays_running(amqp_connection, [relay]):
+        await eventually(lambda: relay.published == 1, what="the relay elsewhere")
+    assert event_ids(await drain(amqp_channel, down)) == [str(staged[-1])]
+
+
+# -- bounds ---------------------------------------------------------------------------------------
+
+
+async def test_outbox_body_over_the_bound_raises_config_error_in_the_handler(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    q, down = names.queue("bound"), names.queue("down")
+    await declare_downstream(amqp_channel, down)
+    caught: list[ConfigError] = []
+
+    @queue(q, version=1, content="json")
+    async def handle(order: Json[dict[str, Any]], mongo: MongoScope) -> None:
+        await mongo.outbox.publish_text(down, order["fill"] * 64, version=1)  # exactly at the bound
+        if order["catch"]:
+            try:
+                await mongo.outbox.publish_text(down, order["fill"] * 65, version=1)
+            except ConfigError as exc:
+                caught.append(exc)
+        else:
+            await mongo.outbox.publish_text(down, order["fill"] * 65, version=1)
+
+    options = InboxOptions(outbox_max_body=64, relay=FAST_RELAY)
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options, unknown_errors="permanent")
+    outbox = mongo_client[database_name][OUTBOX]
+    async with running(consumer) as managed:
+        await publish(amqp, q, {"fill": "a", "catch": True})
+        await eventually(lambda: outcomes(managed) == ["acked"], what="the caught case")
+        bad = await publish(amqp, q, {"fill": "b", "catch": False})
+        await eventually(lambda: outcomes(managed) == ["acked", "dead_lettered"], what="the uncaught case")
+        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the relay")
+        assert await wait_for_depth(amqp_channel, f"{q}.dlq", 1) == 1
+    [error] = caught
+    assert "QUEUE_BODY_TOO_LARGE" in str(error)
+    [message] = await drain(amqp_channel, down)
+    assert message.body == b"a" * 64
+    assert message.content_type == "text/plain; charset=utf-8"
+    assert message.headers["x-lily-content-kind"] == "text"
+    [record] = await outbox.find({}).to_list()  # the uncaught attempt aborted with its 64-byte record
+    assert record["body"] == b"a" * 64
+    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert copy.headers["x-lily-event-id"] == str(bad)
+    assert copy.headers["x-lily-failure-code"] == "QUEUE_HANDLER_FAILED"
+    assert "ConfigError" in str(copy.headers["x-lily-failure-reason"])
