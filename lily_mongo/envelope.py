@@ -155,7 +155,7 @@ class _Walk:
 def _check_metadata(headers: Mapping[str, object]) -> None:
     entries = len(headers)
     # Room for the framework's own handoff headers (replaced when already present).
-    reserved_extra = _HANDOFF_KEYS_COUNT - sum(1 for k in HANDOFF_HEADER_KEYS if k in headers)
+    reserved_extra = _HANDOFF_KEYS_COUNT - len(HANDOFF_HEADER_KEYS.intersection(headers))
     if entries + reserved_extra > BOUNDS.header_entries:
         raise _bounds_error(
             f"{entries} header entries plus {reserved_extra} reserved for handoff headers "
@@ -243,7 +243,7 @@ def validate_envelope(
         raise EnvelopeError(ErrorCode.BODY_TOO_LARGE, f"body is {shown} bytes, over the bound of {max_body} bytes")
     if headers is None:
         headers = {}
-    elif not isinstance(headers, Mapping):
+    elif type(headers) is not dict and not isinstance(headers, Mapping):
         raise _invalid(f"headers must be a table, got {type(headers).__name__}")
     _check_metadata(headers)
 

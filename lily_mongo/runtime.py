@@ -19,6 +19,7 @@ import asyncio
 import collections
 import dataclasses
 import datetime
+import functools
 import hashlib
 import logging
 import random
@@ -258,7 +259,6 @@ class Runtime:
         qr.in_flight += 1
         task = self.tasks.spawn(self._deliver(state), name="lily-delivery")
         self.deliveries[task] = state
-        task.add_done_callback(self._forget_delivery)
 
     def _release_permit(self, qr: QueueRuntime) -> None:
         if self.accepting and qr.buffer:
@@ -283,9 +283,6 @@ class Runtime:
 
     # -- one delivery -------------------------------------------------------------------
 
-    def _forget_delivery(self, task: asyncio.Task[Any]) -> None:
-        self.deliveries.pop(task, None)
-
     async def _deliver(self, state: _Delivery) -> None:
         """One delivery: prepare, execute (inline, under the deadline timer), settle, observe."""
         qr, message = state.qr, state.message
@@ -305,6 +302,7 @@ class Runtime:
         finally:
             if not state.dropped:
                 self._finish(state, step, evidence)
+            self.deliveries.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
 
     def _finish(self, state: _Delivery, step: Step | None, evidence: Evidence | None) -> None:
         """Release the permit and record the terminal observation: exactly once per delivery."""
@@ -542,18 +540,23 @@ class Runtime:
         execution: Execution,
     ) -> tuple[Step, Evidence]:
         options = qr.options
-        key = _failure_key(message, envelope)
-        budget = Budget(
-            retry_count=envelope.retry_count if envelope else 0,
-            max_retries=options.retry.max_retries,
-            deferrals=execution.deferrals,
-            max_deferrals=options.max_deferrals,
-            handoff_failures=qr.handoff_failures.get(key, 0),
-            max_handoff_failures=options.max_handoff_failures,
-            dead_letter_fallback=not qr.dlq_unroutable,
-        )
-        evidence = Evidence()
         result = execution.result
+        evidence = _FRESH_EVIDENCE
+        if result.outcome is Outcome.SUCCESS or result.outcome is Outcome.DUPLICATE:
+            # The budget only shapes failure paths; the common path skips building one.
+            key = b""
+            budget = _SUCCESS_BUDGET
+        else:
+            key = _failure_key(message, envelope)
+            budget = Budget(
+                retry_count=envelope.retry_count if envelope else 0,
+                max_retries=options.retry.max_retries,
+                deferrals=execution.deferrals,
+                max_deferrals=options.max_deferrals,
+                handoff_failures=qr.handoff_failures.get(key, 0),
+                max_handoff_failures=options.max_handoff_failures,
+                dead_letter_fallback=not qr.dlq_unroutable,
+            )
         if result.outcome is Outcome.DEFERRED:
             qr.counters.deferrals += 1
             # The lease document counts lease deferrals; deferrals that never reached a
@@ -564,21 +567,22 @@ class Runtime:
             broker = delivery_count if type(delivery_count) is int else 0
             budget = dataclasses.replace(budget, deferrals=max(execution.deferrals, local, broker))
         while True:
-            evidence = Evidence(evidence.handoff, evidence.settle, self._authority(message), evidence.settled_with)
+            if not self._authority(message):
+                evidence = _evidence(evidence.handoff, evidence.settle, False, evidence.settled_with)
             step = decide(result, budget, evidence)
             if step.kind in (StepKind.DONE, StepKind.UNRESOLVED):
                 return step, evidence
             if step.kind in (StepKind.PUBLISH_RETRY, StepKind.PUBLISH_DLQ):
                 try:
                     await self._handoff(qr, message, envelope, step, budget)
-                    evidence = Evidence(HandoffState.CONFIRMED, evidence.settle, True, evidence.settled_with)
+                    evidence = _evidence(HandoffState.CONFIRMED, evidence.settle, True, evidence.settled_with)
                     qr.handoff_failures.pop(key, None)
                     if step.kind is StepKind.PUBLISH_DLQ:
                         qr.dlq_unroutable = False
                 except PublishError as exc:
                     to_dlq = step.kind is StepKind.PUBLISH_DLQ
                     log.warning("handoff to %s failed: %s", "the DLQ" if to_dlq else "a retry bucket", exc.kind)
-                    evidence = Evidence(HandoffState.FAILED, evidence.settle, True, evidence.settled_with)
+                    evidence = _evidence(HandoffState.FAILED, evidence.settle, True, evidence.settled_with)
                     self._count_handoff_failure(qr, key)
                     if to_dlq and exc.kind == "unroutable":
                         qr.dlq_unroutable = True
@@ -613,8 +617,10 @@ class Runtime:
                 await message.reject(requeue=False)
         except Exception as exc:
             log.warning("settlement %s failed: %s", kind.value, type(exc).__name__)
-            return Evidence(evidence.handoff, SettleState.FAILED, evidence.authority, kind)
-        return Evidence(evidence.handoff, SettleState.SENT, evidence.authority, kind)
+            return _evidence(evidence.handoff, SettleState.FAILED, evidence.authority, kind)
+        if evidence is _FRESH_EVIDENCE and kind is StepKind.ACK:
+            return _ACKED_EVIDENCE  # the common path, without a cache lookup
+        return _evidence(evidence.handoff, SettleState.SENT, evidence.authority, kind)
 
     async def _handoff(
         self,
@@ -651,6 +657,17 @@ class Runtime:
 
     def snapshots(self) -> tuple[QueueSnapshot, ...]:
         return tuple(qr.snapshot() for qr in self.queues.values())
+
+
+@functools.cache
+def _evidence(handoff: HandoffState, settle: SettleState, authority: bool, settled_with: StepKind | None) -> Evidence:
+    """Evidence values are immutable and few: share one instance per combination."""
+    return Evidence(handoff, settle, authority, settled_with)
+
+
+_FRESH_EVIDENCE = _evidence(HandoffState.NONE, SettleState.NONE, True, None)
+_ACKED_EVIDENCE = _evidence(HandoffState.NONE, SettleState.SENT, True, StepKind.ACK)
+_SUCCESS_BUDGET = Budget()
 
 
 def _bump(counts: collections.OrderedDict[bytes, int], key: bytes) -> int:
