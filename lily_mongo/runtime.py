@@ -4,9 +4,10 @@ One :class:`Runtime` per started consumer. Per physical queue it owns a
 channel (so prefetch and admission are per queue and a slow queue never
 starves another), a number of free admission permits and a local buffer.
 The broker callback admits a delivery at once while a permit is free, and
-buffers it otherwise; a finishing delivery returns its permit and admits the
-next buffered one. Each admitted delivery runs in a task of the supervisor's
-:class:`TaskSet`.
+buffers it otherwise. Admitted deliveries run in worker tasks of the
+supervisor's :class:`TaskSet`: a worker runs one delivery at a time, takes the
+next buffered one itself when it finishes, and waits idle for a while before
+it ends, so a busy queue costs no task creation per delivery.
 
 Settlement follows :func:`settlement.decide`; every ACK/NACK is written at most
 once, on the delivery's own channel, and only while that channel is alive and
@@ -159,6 +160,7 @@ class QueueRuntime:
         self.index = index
         self.options = options
         self.free_permits = options.concurrency
+        self.idle: collections.deque[asyncio.Future[_Delivery | None]] = collections.deque()
         self.buffer: collections.deque[aio_pika.abc.AbstractIncomingMessage] = collections.deque()
         self.channel: aio_pika.abc.AbstractChannel | None = None
         self.queue: aio_pika.abc.AbstractQueue | None = None
@@ -254,17 +256,66 @@ class Runtime:
                 log.debug("returning an unstarted delivery failed", exc_info=True)
 
     def _admit(self, qr: QueueRuntime, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        """Start a delivery on a permit the caller has taken."""
+        """Start a delivery on a permit the caller has taken: an idle worker takes it, or a new one."""
         state = _Delivery(qr, message)
         qr.in_flight += 1
-        task = self.tasks.spawn(self._deliver(state), name="lily-delivery")
-        self.deliveries[task] = state
+        while qr.idle:
+            waiter = qr.idle.popleft()
+            if not waiter.done():
+                waiter.set_result(state)
+                return
+        self.tasks.spawn(self._worker(qr, state), name="lily-worker")
+
+    def _take_buffered(self, qr: QueueRuntime) -> _Delivery | None:
+        """A buffered delivery with a permit taken for it, or None."""
+        if not (self.accepting and qr.buffer and qr.free_permits > 0):
+            return None
+        qr.free_permits -= 1
+        qr.in_flight += 1
+        return _Delivery(qr, qr.buffer.popleft())
+
+    def _kick(self, qr: QueueRuntime) -> None:
+        """Admit buffered work after a permit came back outside a worker (a dropped delivery)."""
+        while self.accepting and qr.buffer and qr.free_permits > 0:
+            qr.free_permits -= 1
+            self._admit(qr, qr.buffer.popleft())
+
+    async def _worker(self, qr: QueueRuntime, first: _Delivery) -> None:
+        """Runs deliveries of one queue one after another, in this task.
+
+        A worker takes buffered work itself when its delivery ends, waits idle for
+        new work up to ``_WORKER_IDLE`` seconds, and ends when intake stops. At most
+        ``concurrency`` workers hold permits; a worker whose handler was dropped at its
+        deadline ends once the handler returns (its permit went on without it).
+        """
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        state: _Delivery | None = first
+        while state is not None:
+            self.deliveries[task] = state
+            try:
+                await self._deliver(state)
+            except Exception:  # never expected: _deliver settles or records every outcome
+                log.exception("lily_mongo delivery failed unexpectedly")
+            finally:
+                self.deliveries.pop(task, None)
+            if state.dropped:
+                return
+            state = self._take_buffered(qr)
+            if state is None:
+                if not self.accepting:
+                    return
+                waiter: asyncio.Future[_Delivery | None] = loop.create_future()
+                qr.idle.append(waiter)
+                expiry = loop.call_later(_WORKER_IDLE, _expire_waiter, waiter)
+                try:
+                    state = await waiter
+                finally:
+                    expiry.cancel()
 
     def _release_permit(self, qr: QueueRuntime) -> None:
-        if self.accepting and qr.buffer:
-            self._admit(qr, qr.buffer.popleft())  # the permit passes straight on
-        else:
-            qr.free_permits += 1
+        qr.free_permits += 1
 
     async def stop_intake(self) -> list[BaseException]:
         """Cancel consumers, stop admission and return buffered (unstarted) deliveries."""
@@ -277,6 +328,10 @@ class Runtime:
                 except Exception as exc:
                     errors.append(exc)
         for qr in self.queues.values():
+            while qr.idle:  # idle workers end
+                waiter = qr.idle.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
             while qr.buffer:
                 await self._return_unstarted(qr.buffer.popleft())
         return errors
@@ -302,7 +357,6 @@ class Runtime:
         finally:
             if not state.dropped:
                 self._finish(state, step, evidence)
-            self.deliveries.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
 
     def _finish(self, state: _Delivery, step: Step | None, evidence: Evidence | None) -> None:
         """Release the permit and record the terminal observation: exactly once per delivery."""
@@ -466,6 +520,7 @@ class Runtime:
             step, evidence = await self._settle(state.qr, state.message, state.envelope, state.execution)
         finally:
             self._finish(state, step, evidence)
+            self._kick(state.qr)
 
     async def _execute(self, qr: QueueRuntime, prepared: _Prepared) -> Execution:
         route = prepared.route
@@ -668,6 +723,14 @@ def _evidence(handoff: HandoffState, settle: SettleState, authority: bool, settl
 _FRESH_EVIDENCE = _evidence(HandoffState.NONE, SettleState.NONE, True, None)
 _ACKED_EVIDENCE = _evidence(HandoffState.NONE, SettleState.SENT, True, StepKind.ACK)
 _SUCCESS_BUDGET = Budget()
+
+
+_WORKER_IDLE = 30.0  # seconds an idle worker waits for work before it ends
+
+
+def _expire_waiter(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _bump(counts: collections.OrderedDict[bytes, int], key: bytes) -> int:
