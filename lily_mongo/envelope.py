@@ -161,10 +161,20 @@ def _check_metadata(headers: Mapping[str, object]) -> None:
             f"{entries} header entries plus {reserved_extra} reserved for handoff headers "
             f"exceed the bound of {BOUNDS.header_entries}"
         )
-    walk = _Walk()
+    walk: _Walk | None = None
     aggregate = 0
     total = 0
     for key, value in headers.items():
+        # Fast path for the common header: short ASCII text key and value (bytes == characters).
+        if type(value) is str and type(key) is str and key.isascii() and value.isascii():
+            size = len(key) + len(value)
+            if 0 < len(key) <= BOUNDS.header_key_bytes and len(value) <= BOUNDS.header_value_bytes:
+                total += size
+                if key not in HANDOFF_HEADER_KEYS:
+                    aggregate += size
+                continue
+        if walk is None:
+            walk = _Walk()
         if not isinstance(key, str):
             raise _invalid(f"header key is a {type(key).__name__}, not a string")
         key_bytes = utf8_len(key)

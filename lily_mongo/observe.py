@@ -41,16 +41,30 @@ class TerminalObservation:
 
 
 class ObservationLog:
-    """The last :data:`BOUNDS.terminal_observations` terminal outcomes, oldest first."""
+    """The last :data:`BOUNDS.terminal_observations` terminal outcomes, oldest first.
+
+    The hot path records plain tuples (in :class:`TerminalObservation` field order);
+    the dataclasses are built only when someone reads the log.
+    """
 
     def __init__(self, capacity: int = BOUNDS.terminal_observations) -> None:
-        self._items: collections.deque[TerminalObservation] = collections.deque(maxlen=capacity)
+        self._items: collections.deque[TerminalObservation | tuple[object, ...]] = collections.deque(maxlen=capacity)
 
     def append(self, observation: TerminalObservation) -> None:
         self._items.append(observation)
 
+    def record(self, *fields: object) -> None:
+        """Append one outcome given as :class:`TerminalObservation` fields, in order."""
+        self._items.append(fields)
+
     def items(self) -> tuple[TerminalObservation, ...]:
-        return tuple(self._items)
+        return tuple(
+            item if isinstance(item, TerminalObservation) else TerminalObservation(*item)  # type: ignore[arg-type]
+            for item in self._items
+        )
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 @dataclass(slots=True)
