@@ -1,20 +1,25 @@
-"""Test helpers shared by the tiers: server processes, failpoints, broker inspection."""
+"""Test helpers shared by the tiers: server processes, failpoints, broker inspection, polling, consumers."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import os
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aio_pika
 import aio_pika.abc
+import aiormq.exceptions
 from pymongo import AsyncMongoClient
+
+from lily_mongo import Consumer, ManagedConsumer, TerminalObservation
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -158,3 +163,133 @@ async def drain(
         await message.ack()
         out.append(message)
     return out
+
+
+async def consumer_count(connection: aio_pika.abc.AbstractConnection, name: str) -> int | None:
+    """Consumers attached to ``name`` (passive declare); None if the queue does not exist.
+
+    A 404 closes the channel, so each call uses a fresh one.
+    """
+    channel = await connection.channel()
+    try:
+        declared = await channel.declare_queue(name, passive=True)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return None
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    count = declared.declaration_result.consumer_count
+    assert count is not None
+    return int(count)
+
+
+async def queue_exists(connection: aio_pika.abc.AbstractConnection, name: str) -> bool:
+    """Whether ``name`` exists (passive declare on a fresh channel)."""
+    channel = await connection.channel()
+    try:
+        await channel.declare_queue(name, passive=True)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return False
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    return True
+
+
+# -- polling --------------------------------------------------------------------------------------
+
+
+async def eventually(
+    predicate: Callable[[], bool] | Callable[[], Awaitable[bool]],
+    *,
+    timeout: float = 10.0,
+    what: str = "condition",
+    interval: float = 0.02,
+) -> None:
+    """Poll ``predicate`` (sync, or returning an awaitable) every ``interval`` s until it holds.
+
+    Raises AssertionError("timed out after <timeout> s waiting for <what>") once ``timeout`` s have passed.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+def new_tasks(before: set[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
+    """Unfinished tasks started since ``before`` was taken (``asyncio.all_tasks()``), except the current one."""
+    current = asyncio.current_task()
+    return {t for t in asyncio.all_tasks() - before if t is not current and not t.done()}
+
+
+# -- consumers ------------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def running(
+    consumer: Consumer, *, expect_clean: bool = True, release: asyncio.Event | None = None
+) -> AsyncIterator[ManagedConsumer]:
+    """Start ``consumer`` and shut it down on the way out.
+
+    On the way out ``release`` (if given) is set first, so blocked handlers can end; with ``expect_clean`` the
+    shutdown report must leave no delivery unresolved. ``shutdown()`` returns the same report when the test already
+    shut the consumer down.
+    """
+    managed = await consumer.start()
+    try:
+        yield managed
+    finally:
+        if release is not None:
+            release.set()
+        report = await managed.shutdown()
+        if expect_clean:
+            assert report.unresolved == 0, report.render()
+
+
+def outcomes(managed: ManagedConsumer) -> list[str]:
+    """The outcome of every ended delivery, oldest first."""
+    return [o.outcome for o in managed.delivery_terminal_observations()]
+
+
+async def wait_observations(managed: ManagedConsumer, count: int, timeout: float = 10.0) -> list[TerminalObservation]:
+    """Wait until ``count`` deliveries have ended; return their observations, oldest first."""
+    try:
+        await eventually(
+            lambda: len(managed.delivery_terminal_observations()) >= count,
+            timeout=timeout,
+            what=f"{count} terminal observations",
+        )
+    except AssertionError as error:
+        raise AssertionError(f"{error} (have {outcomes(managed)})") from None
+    return list(managed.delivery_terminal_observations())
+
+
+# -- AsyncAPI documents ---------------------------------------------------------------------------
+
+
+def resolve(document: dict[str, Any], ref: str) -> Any:
+    """Follow a local JSON pointer (RFC 6901) inside ``document``; KeyError when it points nowhere."""
+    assert ref.startswith("#/"), f"not a local reference: {ref!r}"
+    node: Any = document
+    for token in ref[2:].split("/"):
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list):
+            node = node[int(token)]
+        elif isinstance(node, dict) and token in node:
+            node = node[token]
+        else:
+            raise KeyError(f"{ref!r} does not resolve (missing {token!r})")
+    return node
+
+
+def version_and_content(message: dict[str, Any]) -> tuple[str, str]:
+    """A message's (schema version, content kind), from the constants of its header schema."""
+    properties = message["headers"]["properties"]
+    return properties["x-lily-schema-version"]["const"], properties["x-lily-content-kind"]["const"]

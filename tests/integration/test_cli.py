@@ -21,13 +21,12 @@ import signal
 import sys
 import textwrap
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aio_pika
 import aio_pika.abc
-import aiormq.exceptions
 import jsonschema
 import pydantic
 import pytest
@@ -47,7 +46,18 @@ from lily_mongo import (
     RetryPolicy,
     queue,
 )
-from tests.support import BrokerNames, FailPoints, drain, queue_depth, wait_for_depth
+from tests.support import (
+    BrokerNames,
+    FailPoints,
+    consumer_count,
+    drain,
+    eventually,
+    queue_depth,
+    resolve,
+    running,
+    version_and_content,
+    wait_for_depth,
+)
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "data" / "asyncapi-3.0.0.schema.json"
 ENVELOPE = ("x-lily-event-id", "x-lily-schema-version", "x-lily-content-kind")
@@ -135,27 +145,6 @@ async def cli_process(*args: str, env: dict[str, str], cwd: Path) -> AsyncIterat
 # -- broker and database helpers ------------------------------------------------------------------
 
 
-async def wait_until(predicate: Callable[[], Awaitable[bool]], what: str, timeout: float = 15.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-async def consumer_count(connection: aio_pika.abc.AbstractConnection, name: str) -> int | None:
-    """Consumers on ``name``, or None while the queue does not exist (a 404 closes the channel: use a fresh one)."""
-    channel = await connection.channel()
-    try:
-        declared = await channel.declare_queue(name, passive=True)
-    except aiormq.exceptions.ChannelNotFoundEntity:
-        return None
-    finally:
-        if not channel.is_closed:
-            await channel.close()
-    return declared.declaration_result.consumer_count
-
-
 async def wait_for_consumer(
     connection: aio_pika.abc.AbstractConnection, name: str, process: asyncio.subprocess.Process, timeout: float = 20.0
 ) -> None:
@@ -165,7 +154,7 @@ async def wait_for_consumer(
             raise AssertionError(f"the command exited {process.returncode}:\n{stdout.decode()}\n{stderr.decode()}")
         return await consumer_count(connection, name) == 1
 
-    await wait_until(attached, f"one consumer on {name}", timeout)
+    await eventually(attached, timeout=timeout, what=f"one consumer on {name}", interval=0.05)
 
 
 def log_lines(path: Path) -> list[str]:
@@ -176,7 +165,7 @@ async def wait_for_line(path: Path, line: str, timeout: float = 15.0) -> None:
     async def present() -> bool:
         return line in log_lines(path)
 
-    await wait_until(present, f"{line!r} in {path.name}", timeout)
+    await eventually(present, timeout=timeout, what=f"{line!r} in {path.name}", interval=0.05)
 
 
 # -- a service module for `run` -------------------------------------------------------------------
@@ -423,19 +412,6 @@ async def shop_asyncapi(tmp_path: Path, env: dict[str, str], fmt: str, target: s
     return result.stdout
 
 
-def resolve(document: dict[str, Any], ref: str) -> Any:
-    assert ref.startswith("#/"), ref
-    node: Any = document
-    for token in ref[2:].split("/"):
-        node = node[token.replace("~1", "/").replace("~0", "~")]
-    return node
-
-
-def message_key(message: dict[str, Any]) -> tuple[str, str]:
-    properties = message["headers"]["properties"]
-    return properties["x-lily-schema-version"]["const"], properties["x-lily-content-kind"]["const"]
-
-
 async def test_asyncapi_json_validates_and_describes_the_plan(
     amqp: str, mongo_uri: str, tmp_path: Path, asyncapi_validator: jsonschema.Draft7Validator
 ) -> None:
@@ -460,7 +436,7 @@ async def test_asyncapi_json_validates_and_describes_the_plan(
 
     def messages(address: str) -> dict[tuple[str, str], dict[str, Any]]:
         refs = channels[address]["messages"].values()
-        return {message_key(m): m for m in (resolve(document, r["$ref"]) for r in refs)}
+        return {version_and_content(m): m for m in (resolve(document, r["$ref"]) for r in refs)}
 
     orders = messages("shop.orders.created")
     assert set(orders) == {("1", "json"), ("2", "text")}
@@ -551,16 +527,6 @@ def dlq_service(amqp: str, client: AsyncMongoClient[Any], database: str, q: str)
     return DlqService(q, handler_id, switch, seen, consumer)
 
 
-@contextlib.asynccontextmanager
-async def started(consumer: Consumer) -> AsyncIterator[ManagedConsumer]:
-    managed = await consumer.start()
-    try:
-        yield managed
-    finally:
-        report = await managed.shutdown()
-        assert report.unresolved == 0, report.render()
-
-
 def final_outcomes(managed: ManagedConsumer) -> list[str]:
     """Terminal outcomes without "deferred": the emulator's write conflicts may defer a copy, which comes back."""
     return [o.outcome for o in managed.delivery_terminal_observations() if o.outcome != "deferred"]
@@ -585,7 +551,7 @@ async def test_dlq_list_shows_without_consuming_and_replay_reprocesses_once(
     service = dlq_service(amqp, mongo_client, database_name, names.queue("dlq"))
     q, dlq = service.q, f"{service.q}.dlq"
     env = cli_env(amqp, mongo_uri)
-    async with started(service.consumer) as managed:
+    async with running(service.consumer) as managed:
         event = await publish_one(amqp, q, {"n": 7, "reject": True}, retry_count=2)
         assert await wait_for_depth(amqp_channel, dlq, 1) == 1
 
@@ -611,7 +577,7 @@ async def test_dlq_list_shows_without_consuming_and_replay_reprocesses_once(
         async def applied() -> bool:
             return await effects_of(mongo_client, database_name, event) == 1
 
-        await wait_until(applied, "the replayed event's effect")
+        await eventually(applied, timeout=15.0, what="the replayed event's effect", interval=0.05)
         assert await wait_for_depth(amqp_channel, dlq, 0) == 0
     assert final_outcomes(managed) == ["dead_lettered", "acked"]
     assert await effects_of(mongo_client, database_name, event) == 1
@@ -635,7 +601,7 @@ async def test_dlq_replay_all_moves_every_message(
 ) -> None:
     service = dlq_service(amqp, mongo_client, database_name, names.queue("dlqall"))
     q, dlq = service.q, f"{service.q}.dlq"
-    async with started(service.consumer) as managed:
+    async with running(service.consumer) as managed:
         events = [await publish_one(amqp, q, {"n": n, "reject": True}) for n in (1, 2)]
         assert await wait_for_depth(amqp_channel, dlq, 2) == 2
         service.switch.set()
@@ -646,7 +612,7 @@ async def test_dlq_replay_all_moves_every_message(
         async def applied() -> bool:
             return all([await effects_of(mongo_client, database_name, e) == 1 for e in events])
 
-        await wait_until(applied, "both replayed effects")
+        await eventually(applied, timeout=15.0, what="both replayed effects", interval=0.05)
         assert await wait_for_depth(amqp_channel, dlq, 0) == 0
     for event in events:
         assert await effects_of(mongo_client, database_name, event) == 1
@@ -666,7 +632,7 @@ async def test_dlq_replay_with_another_event_id_leaves_the_message(
 ) -> None:
     service = dlq_service(amqp, mongo_client, database_name, names.queue("dlqmiss"))
     q, dlq = service.q, f"{service.q}.dlq"
-    async with started(service.consumer):
+    async with running(service.consumer):
         event = await publish_one(amqp, q, {"n": 3, "reject": True})
         assert await wait_for_depth(amqp_channel, dlq, 1) == 1
         # Switched on: a wrongly replayed copy would be processed and leave the DLQ for good.
@@ -728,14 +694,14 @@ async def test_inbox_stats_counts_completions_and_outbox_per_handler(
         consumer.configure_queue(q, concurrency=1, prefetch=4, retry=RetryPolicy(max_retries=1, delays=(0.2,)))
     consumer.include(on_order, on_audit)
     outbox = mongo_client[database_name]["lily_outbox"]
-    async with started(consumer) as managed:
+    async with running(consumer) as managed:
         events = [await publish_one(amqp, q_orders, {"n": n}) for n in range(3)]
         await publish_one(amqp, q_audit, {"n": 99})
 
         async def all_settled() -> bool:
             return count_outcome(managed, "acked") == 4
 
-        await wait_until(all_settled, "four deliveries acked")
+        await eventually(all_settled, timeout=15.0, what="four deliveries acked", interval=0.05)
         await publish_one(amqp, q_orders, {"n": 0}, event_id=events[0])  # a duplicate copy
 
         async def duplicate_absorbed() -> bool:
@@ -744,8 +710,8 @@ async def test_inbox_stats_counts_completions_and_outbox_per_handler(
         async def relayed() -> bool:
             return await outbox.count_documents({"status": "published"}) == 3
 
-        await wait_until(duplicate_absorbed, "the duplicate settled")
-        await wait_until(relayed, "three outbox records published")
+        await eventually(duplicate_absorbed, timeout=15.0, what="the duplicate settled", interval=0.05)
+        await eventually(relayed, timeout=15.0, what="three outbox records published", interval=0.05)
     assert sorted(final_outcomes(managed)) == ["acked", "acked", "acked", "acked", "duplicate"]
     assert await queue_depth(amqp_channel, q_out) == 3
 

@@ -36,7 +36,7 @@ from lily_mongo import (
     TerminalObservation,
     queue,
 )
-from tests.support import BrokerNames, FailPoints, drain, queue_depth, wait_for_depth
+from tests.support import BrokerNames, FailPoints, drain, eventually, outcomes, queue_depth, running, wait_for_depth
 
 Handler = Callable[..., Awaitable[None]]
 
@@ -66,31 +66,9 @@ async def set_failpoint(
     await client.admin.command({"configureFailPoint": "failCommand", "mode": {"times": times}, "data": data})
 
 
-async def wait_until(predicate: Callable[[], bool], *, timeout: float = 8.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-def outcomes(managed: ManagedConsumer) -> list[str]:
-    return [o.outcome for o in managed.delivery_terminal_observations()]
-
-
 def settled_copies(*managed: ManagedConsumer) -> int:
     """Copies that reached a final settlement (deferred copies come back and settle later)."""
     return sum(o in ("acked", "duplicate") for m in managed for o in outcomes(m))
-
-
-@contextlib.asynccontextmanager
-async def running(consumer: Consumer) -> AsyncIterator[ManagedConsumer]:
-    managed = await consumer.start()
-    try:
-        yield managed
-    finally:
-        report = await managed.shutdown()
-        assert report.unresolved == 0, report.render()
 
 
 def make_consumer(
@@ -169,9 +147,9 @@ async def test_same_event_twice_runs_the_handler_once(
     )
     async with running(consumer) as managed:
         await publish(amqp, q, event)
-        await wait_until(lambda: len(outcomes(managed)) == 1, what="first copy settled")
+        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="first copy settled")
         await publish(amqp, q, event)
-        await wait_until(lambda: len(outcomes(managed)) == 2, what="second copy settled")
+        await eventually(lambda: len(outcomes(managed)) == 2, timeout=8.0, what="second copy settled")
         assert await wait_for_depth(amqp_channel, q, 0) == 0
     first, second = managed.delivery_terminal_observations()
     assert (first.outcome, second.outcome) == ("acked", "duplicate")
@@ -222,7 +200,7 @@ async def test_transient_error_on_an_operation_replays(
             labels=["TransientTransactionError"],
         )
         await publish(amqp, q, event)
-        await wait_until(lambda: len(outcomes(managed)) == 1, what="settlement")
+        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
         assert await wait_for_depth(amqp_channel, q, 0) == 0
     observation = only(managed)
     assert observation.outcome == "acked"
@@ -256,7 +234,7 @@ async def test_commit_failure_without_unknown_result_replays(
     async with running(consumer) as managed:
         await failpoints.set(["commitTransaction"], times=1, error_code=112, labels=labels)
         await publish(amqp, q, event)
-        await wait_until(lambda: len(outcomes(managed)) == 1, what="settlement")
+        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
         assert await wait_for_depth(amqp_channel, q, 0) == 0
     observation = only(managed)
     assert observation.outcome == "acked"
@@ -287,7 +265,7 @@ async def test_old_scope_is_closed_while_the_replay_runs(
     async with running(consumer) as managed:
         await failpoints.set(["commitTransaction"], times=1, error_code=112, labels=["TransientTransactionError"])
         await publish(amqp, q, uuid.uuid4())
-        await wait_until(lambda: len(outcomes(managed)) == 1, what="settlement")
+        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
     assert outcomes(managed) == ["acked"]
     assert len(scopes) == 2
     assert scopes[0] is not scopes[1]
@@ -314,7 +292,7 @@ async def test_unknown_commit_result_once_is_reconciled_by_retrying_the_commit(
     async with running(consumer) as managed:
         await failpoints.set(["commitTransaction"], times=1, error_code=50, labels=["UnknownTransactionCommitResult"])
         await publish(amqp, q, event)
-        await wait_until(lambda: len(outcomes(managed)) == 1, what="settlement")
+        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
         assert await wait_for_depth(amqp_channel, q, 0) == 0
     observation = only(managed)
     assert observation.outcome == "acked"
@@ -353,7 +331,7 @@ async def test_unknown_commit_result_that_persists_defers_to_the_next_delivery(
     async with running(consumer) as managed:
         await failpoints.set(["commitTransaction"], times=3, error_code=50, labels=["UnknownTransactionCommitResult"])
         await publish(amqp, q, event)
-        await wait_until(lambda: "acked" in outcomes(managed), what="the redelivery to settle")
+        await eventually(lambda: "acked" in outcomes(managed), timeout=8.0, what="the redelivery to settle")
         assert await wait_for_depth(amqp_channel, q, 0) == 0
     first, second = managed.delivery_terminal_observations()
     assert first.outcome == "deferred"
@@ -396,7 +374,7 @@ async def test_unknown_commit_result_many_times_stays_bounded(
     async with running(consumer) as managed:
         await failpoints.set(["commitTransaction"], times=10, error_code=50, labels=["UnknownTransactionCommitResult"])
         await publish(amqp, q, event)
-        await wait_until(lambda: "acked" in outcomes(managed), what="settlement")
+        await eventually(lambda: "acked" in outcomes(managed), timeout=8.0, what="settlement")
         assert await wait_for_depth(amqp_channel, q, 0) == 0
     observations = managed.delivery_terminal_observations()
     assert [o.outcome for o in observations] == ["deferred", "deferred", "deferred", "acked"]
@@ -432,7 +410,7 @@ async def test_close_connection_failpoint_on_commit(
     async with running(consumer) as managed:
         await failpoints.set(["commitTransaction"], times=3, close_connection=True)
         await publish(amqp, q, event)
-        await wait_until(lambda: settled_copies(managed) == 1, what="settled")
+        await eventually(lambda: settled_copies(managed) == 1, timeout=8.0, what="settled")
         assert await wait_for_depth(amqp_channel, q, 0) == 0
     observations = managed.delivery_terminal_observations()
     assert observations[-1].outcome in ("acked", "duplicate")
@@ -563,7 +541,7 @@ async def test_commit_request_lost_on_the_network(
         async with running(consumer) as managed:
             cutter.cut_requests = cuts
             await publish(amqp, q, event)
-            await wait_until(lambda: settled_copies(managed) == 1, what="settled")
+            await eventually(lambda: settled_copies(managed) == 1, timeout=8.0, what="settled")
             assert await wait_for_depth(amqp_channel, q, 0) == 0
         assert cutter.cuts == cuts
     observations = managed.delivery_terminal_observations()
@@ -603,7 +581,7 @@ async def test_commit_reply_lost_is_reconciled_from_the_completion_record(
         async with running(consumer) as managed:
             cutter.cut_replies = 2
             await publish(amqp, q, event)
-            await wait_until(lambda: settled_copies(managed) == 1, what="settled")
+            await eventually(lambda: settled_copies(managed) == 1, timeout=8.0, what="settled")
             assert await wait_for_depth(amqp_channel, q, 0) == 0
         assert cutter.cuts == 2
     observation = only(managed)
@@ -655,7 +633,7 @@ async def test_two_consumers_six_concurrent_copies_effect_once(
         )
         async with running(consumer_a) as a, running(consumer_b) as b:
             await publish(amqp, q, event, copies=6)
-            await wait_until(lambda: settled_copies(a, b) == 6, timeout=15.0, what="all six copies settled")
+            await eventually(lambda: settled_copies(a, b) == 6, timeout=15.0, what="all six copies settled")
             assert await wait_for_depth(amqp_channel, q, 0) == 0
     finally:
         await other.close()
@@ -711,7 +689,7 @@ async def test_held_lease_defers_until_the_bound_then_dead_letters(
             }
         )
         await publish(amqp, q, event, retry_count=1)
-        await wait_until(lambda: "dead_lettered" in outcomes(managed), what="dead-lettering")
+        await eventually(lambda: "dead_lettered" in outcomes(managed), timeout=8.0, what="dead-lettering")
         assert await wait_for_depth(amqp_channel, f"{q}.dlq", 1) == 1
     observations = managed.delivery_terminal_observations()
     assert [o.outcome for o in observations] == ["deferred", "deferred", "dead_lettered"]
@@ -754,7 +732,7 @@ async def test_scope_used_after_the_attempt_raises(
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
     async with running(consumer) as managed:
         await publish(amqp, q, event)
-        await wait_until(lambda: len(outcomes(managed)) == 1, what="settlement")
+        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
         [scope] = kept
         assert not scope.is_open
         with pytest.raises(ScopeClosedError):
@@ -807,7 +785,7 @@ async def test_failure_aborts_releases_the_lease_and_hands_off(
     )
     async with running(consumer) as managed:
         await publish(amqp, q, event)
-        await wait_until(lambda: len(outcomes(managed)) == 1, what="handoff")
+        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="handoff")
         assert await wait_for_depth(amqp_channel, f"{q}.{destination}", 1) == 1
     observation = only(managed)
     assert (observation.outcome, observation.code) == (outcome, code)
@@ -869,7 +847,7 @@ async def test_lost_lease_cancels_the_attempt_and_defers(
             {"_id": key}, {"$set": {"owner": "thief:0:0", "token": 99, "expires_at": expires}}
         )
         assert result.modified_count == 1
-        await wait_until(lambda: "acked" in outcomes(managed), what="the redelivery to complete")
+        await eventually(lambda: "acked" in outcomes(managed), timeout=8.0, what="the redelivery to complete")
         assert await wait_for_depth(amqp_channel, q, 0) == 0
     observations = managed.delivery_terminal_observations()
     assert (observations[0].outcome, observations[0].code) == ("deferred", "LEASE_LOST")
@@ -907,7 +885,7 @@ async def run_timing_out_handler(
     )
     async with running(consumer) as managed:
         await publish(amqp, q, event)
-        await wait_until(lambda: len(outcomes(managed)) == 1, what="the timeout handoff")
+        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="the timeout handoff")
         assert await wait_for_depth(channel, f"{q}.retry.0", 1) == 1
     lease = await client[database][LEASES].find_one({"_id": f"{handler_id}|{event}"})
     return only(managed), lease

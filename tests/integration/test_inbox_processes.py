@@ -22,8 +22,8 @@ from typing import Any
 import aio_pika.abc
 from pymongo import AsyncMongoClient
 
-from lily_mongo import Consumer, EventId, InboxOptions, ManagedConsumer, MongoScope, Publisher, RetryPolicy, queue
-from tests.support import BrokerNames, queue_depth, wait_for_depth
+from lily_mongo import Consumer, EventId, InboxOptions, MongoScope, Publisher, RetryPolicy, queue
+from tests.support import BrokerNames, eventually, outcomes, queue_depth, running, wait_for_depth
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "workers" / "inbox_worker.py"
@@ -107,36 +107,6 @@ async def workers_in(directory: Path) -> AsyncIterator[Workers]:
         await workers.close()
 
 
-async def wait_for_mongo(check: Callable[[], Awaitable[bool]], *, timeout: float = 10.0, what: str = "state") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-async def wait_until(predicate: Callable[[], bool], *, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-def outcomes(managed: ManagedConsumer) -> list[str]:
-    return [o.outcome for o in managed.delivery_terminal_observations()]
-
-
-@contextlib.asynccontextmanager
-async def running(consumer: Consumer) -> AsyncIterator[ManagedConsumer]:
-    managed = await consumer.start()
-    try:
-        yield managed
-    finally:
-        report = await managed.shutdown()
-        assert report.unresolved == 0, report.render()
-
-
 async def publish(amqp: str, q: str, event_id: uuid.UUID) -> None:
     async with Publisher(amqp) as publisher:
         await publisher.publish_json(q, {"n": 1}, version=1, event_id=event_id)
@@ -172,7 +142,7 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
             lease = await leases.find_one({"_id": key})
             return lease is not None and str(lease.get("owner", "")).startswith("replica-a:")
 
-        await wait_for_mongo(held_by_a, what="replica A to hold the lease")
+        await eventually(held_by_a, what="replica A to hold the lease", interval=0.05)
         a.send_signal(signal.SIGKILL)
         assert await a.wait() == -signal.SIGKILL
         # A's lease is still there, unexpired or not: nobody released it.
@@ -187,7 +157,7 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
         async def completed() -> bool:
             return await db[COMPLETIONS].count_documents({"_id": key}) == 1
 
-        await wait_for_mongo(completed, what="replica B to complete the event")
+        await eventually(completed, what="replica B to complete the event", interval=0.05)
         b.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(b.wait(), 10.0) == 0, workers.stderr("replica-b")
         final = await workers.wait_for_record("replica-b", "observations")
@@ -259,7 +229,7 @@ async def test_heartbeat_keeps_a_long_handler_lease_and_defers_a_competing_copy(
     try:
         async with running(consumer(mongo_client, "hb-a", slow)) as a:
             await publish(amqp, q, event)
-            await wait_until(lambda: len(calls_a) == 1, what="A's handler to start")
+            await eventually(lambda: len(calls_a) == 1, what="A's handler to start")
             async with running(consumer(other, "hb-b", competitor)) as b:
                 await publish(amqp, q, event)
                 while await db[COMPLETIONS].count_documents({"_id": key}) == 0:
@@ -268,7 +238,7 @@ async def test_heartbeat_keeps_a_long_handler_lease_and_defers_a_competing_copy(
                         samples.append(lease)
                     assert loop.time() - calls_a[0] < 9.0, "the slow handler never completed"
                     await asyncio.sleep(0.05)
-                await wait_until(lambda: len(outcomes(a)) + len(outcomes(b)) >= 2 and "duplicate" in outcomes(b))
+                await eventually(lambda: len(outcomes(a)) + len(outcomes(b)) >= 2 and "duplicate" in outcomes(b))
                 assert await wait_for_depth(amqp_channel, q, 0) == 0
     finally:
         await other.close()

@@ -11,12 +11,11 @@ import shutil
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import aio_pika
 import aio_pika.abc
-import aiormq.exceptions
 import pytest
 import yarl
 from pymongo import AsyncMongoClient
@@ -35,7 +34,16 @@ from lily_mongo import (
     TerminalObservation,
     queue,
 )
-from tests.support import BrokerNames, drain, queue_depth, wait_for_depth
+from tests.support import (
+    BrokerNames,
+    consumer_count,
+    drain,
+    eventually,
+    new_tasks,
+    queue_depth,
+    queue_exists,
+    wait_for_depth,
+)
 
 Body = Json[dict[str, Any]]
 
@@ -54,34 +62,6 @@ def _with_query(url: str, **params: str) -> str:
 
 def _connection_name() -> str:
     return f"lily-lifecycle-{uuid.uuid4().hex[:10]}"
-
-
-async def _eventually(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-async def _consumer_count(connection: aio_pika.abc.AbstractConnection, name: str) -> int | None:
-    """Consumers attached to ``name`` (passive declare); None if the queue does not exist."""
-    channel = await connection.channel()
-    try:
-        declared = await channel.declare_queue(name, passive=True)
-    except aiormq.exceptions.ChannelNotFoundEntity:
-        return None
-    finally:
-        if not channel.is_closed:
-            await channel.close()
-    count = declared.declaration_result.consumer_count
-    assert count is not None
-    return int(count)
-
-
-async def _queue_exists(connection: aio_pika.abc.AbstractConnection, name: str) -> bool:
-    return await _consumer_count(connection, name) is not None
 
 
 async def _rabbitmqctl(*args: str) -> str:
@@ -109,14 +89,9 @@ def _observation(managed: ManagedConsumer, event_id: uuid.UUID) -> TerminalObser
     return observation
 
 
-def _new_tasks(before: set[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
-    current = asyncio.current_task()
-    return {t for t in asyncio.all_tasks() - before if t is not current and not t.done()}
-
-
 async def _close_leaked_connections(before: set[asyncio.Task[Any]]) -> None:
     """Test hygiene only: close AMQP connections whose tasks outlived a cancelled start."""
-    for task in _new_tasks(before):
+    for task in new_tasks(before):
         frame = getattr(task.get_coro(), "cr_frame", None)
         owner = frame.f_locals.get("self") if frame is not None else None
         if isinstance(owner, aio_pika.abc.AbstractConnection) and not owner.is_closed:
@@ -186,8 +161,8 @@ async def test_cancel_start_while_connecting_leaves_nothing_running(
             await task
         await asyncio.sleep(0.5)  # long enough for a leaked background connect to finish
         assert await _broker_connection_pids(connection_name) == []
-        assert _new_tasks(before) == set()
-        assert await _consumer_count(amqp_connection, q) in (None, 0)
+        assert new_tasks(before) == set()
+        assert await consumer_count(amqp_connection, q) in (None, 0)
         assert "state=stopped" in repr(consumer)
     finally:
         await _close_leaked_connections(before)
@@ -215,17 +190,17 @@ async def test_cancel_start_while_declaring_a_large_topology_tears_down(
         # Cancel once the second queue is declared: the topology is half done.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
-        while not await _queue_exists(amqp_connection, queues[1]):
+        while not await queue_exists(amqp_connection, queues[1]):
             assert not task.done(), "start() finished before the test could cancel it"
             assert loop.time() < deadline
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not await _queue_exists(amqp_connection, f"{queues[3]}.dlq"), "start() got further than expected"
+        assert not await queue_exists(amqp_connection, f"{queues[3]}.dlq"), "start() got further than expected"
         assert await _broker_connection_pids(connection_name) == []
-        assert _new_tasks(before) == set()
+        assert new_tasks(before) == set()
         for q in queues:
-            assert await _consumer_count(amqp_connection, q) in (None, 0)
+            assert await consumer_count(amqp_connection, q) in (None, 0)
         assert "state=stopped" in repr(consumer)
         with pytest.raises(ValueError, match="stopped"):
             await consumer.start()
@@ -255,7 +230,7 @@ async def test_cancel_run_drains_in_flight_work_before_propagating(
 
     consumer.include(handler)
     run = asyncio.create_task(consumer.run())
-    await _eventually(lambda: "state=running" in repr(consumer), what="the consumer to run")
+    await eventually(lambda: "state=running" in repr(consumer), what="the consumer to run")
     async with Publisher(amqp) as publisher:
         event_id = await publisher.publish_json(q, {"n": 1}, version=1)
     async with asyncio.timeout(10):
@@ -269,7 +244,7 @@ async def test_cancel_run_drains_in_flight_work_before_propagating(
     # Graceful shutdown completed before the cancellation surfaced.
     assert finished == [event_id]
     assert await queue_depth(amqp_channel, q) == 0  # ACKed: an unacked delivery would be back in the queue
-    assert await _consumer_count(amqp_connection, q) == 0
+    assert await consumer_count(amqp_connection, q) == 0
     assert "state=stopped" in repr(consumer)
 
 
@@ -291,10 +266,10 @@ async def test_run_with_cancellation_event_returns_a_successful_report(
     consumer.include(handler)
     stop = asyncio.Event()
     run = asyncio.create_task(consumer.run_with_cancellation(stop))
-    await _eventually(lambda: "state=running" in repr(consumer), what="the consumer to run")
+    await eventually(lambda: "state=running" in repr(consumer), what="the consumer to run")
     async with Publisher(amqp) as publisher:
         event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-    await _eventually(lambda: seen == [event_id], what="the delivery")
+    await eventually(lambda: seen == [event_id], what="the delivery")
     stop.set()
     async with asyncio.timeout(10):
         report = await run
@@ -303,7 +278,7 @@ async def test_run_with_cancellation_event_returns_a_successful_report(
     assert report.forced is False
     assert report.unresolved == 0
     assert await queue_depth(amqp_channel, q) == 0
-    assert await _consumer_count(amqp_connection, q) == 0
+    assert await consumer_count(amqp_connection, q) == 0
 
 
 async def test_cancel_run_with_cancellation_after_the_event_still_waits_for_the_shutdown(
@@ -327,7 +302,7 @@ async def test_cancel_run_with_cancellation_after_the_event_still_waits_for_the_
     consumer.include(handler)
     stop = asyncio.Event()
     run = asyncio.create_task(consumer.run_with_cancellation(stop))
-    await _eventually(lambda: "state=running" in repr(consumer), what="the consumer to run")
+    await eventually(lambda: "state=running" in repr(consumer), what="the consumer to run")
     async with Publisher(amqp) as publisher:
         event_id = await publisher.publish_json(q, {"n": 1}, version=1)
     async with asyncio.timeout(10):
@@ -340,11 +315,11 @@ async def test_cancel_run_with_cancellation_after_the_event_still_waits_for_the_
     finished_when_cancel_surfaced = list(finished)
     stopped_when_cancel_surfaced = "state=stopped" in repr(consumer)
     # Hygiene: let a shutdown that went on in the background finish before asserting.
-    await _eventually(lambda: "state=stopped" in repr(consumer), what="the shutdown to end")
+    await eventually(lambda: "state=stopped" in repr(consumer), what="the shutdown to end")
     assert finished_when_cancel_surfaced == [event_id]
     assert stopped_when_cancel_surfaced
     assert await queue_depth(amqp_channel, q) == 0
-    assert await _consumer_count(amqp_connection, q) == 0
+    assert await consumer_count(amqp_connection, q) == 0
 
 
 async def test_cancelling_wait_does_not_stop_the_consumer(
@@ -370,7 +345,7 @@ async def test_cancelling_wait_does_not_stop_the_consumer(
         assert managed.state == "running"
         async with Publisher(amqp) as publisher:
             event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-        await _eventually(lambda: _outcomes(managed, event_id) == ["acked"], what="the ACK")
+        await eventually(lambda: _outcomes(managed, event_id) == ["acked"], what="the ACK")
         assert seen == [event_id]
         assert await queue_depth(amqp_channel, q) == 0
     finally:
@@ -397,7 +372,7 @@ async def test_cancelling_shutdown_does_not_cancel_the_supervisor(
     managed = await consumer.start()
     async with Publisher(amqp) as publisher:
         event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-    await _eventually(lambda: gate.entered == 1, what="the handler")
+    await eventually(lambda: gate.entered == 1, what="the handler")
     shutdown = asyncio.create_task(managed.shutdown())
     await asyncio.sleep(0.1)
     shutdown.cancel()
@@ -413,7 +388,7 @@ async def test_cancelling_shutdown_does_not_cancel_the_supervisor(
     assert gate.finished == 1
     assert managed.state == "stopped"
     assert await queue_depth(amqp_channel, q) == 0
-    assert await _consumer_count(amqp_connection, q) == 0
+    assert await consumer_count(amqp_connection, q) == 0
 
 
 # -- graceful and forced shutdown ---------------------------------------------------------------
@@ -438,7 +413,7 @@ async def test_graceful_shutdown_waits_for_eight_slow_handlers(
     managed = await consumer.start()
     async with Publisher(amqp) as publisher:
         event_ids = {await publisher.publish_json(q, {"n": n}, version=1) for n in range(8)}
-    await _eventually(lambda: len(entered) == 8, what="eight handlers in flight")
+    await eventually(lambda: len(entered) == 8, what="eight handlers in flight")
     started = time.monotonic()
     report = await managed.shutdown()
     took = time.monotonic() - started
@@ -522,7 +497,7 @@ async def test_forced_shutdown_reports_a_stubborn_delivery_unresolved_and_the_br
     second.include(handler)
     managed2 = await second.start()
     try:
-        await _eventually(lambda: _outcomes(managed2, event_id) == ["acked"], what="the redelivery")
+        await eventually(lambda: _outcomes(managed2, event_id) == ["acked"], what="the redelivery")
     finally:
         report2 = await managed2.shutdown()
     assert seen == [(event_id, True)]
@@ -548,9 +523,9 @@ async def test_signals_first_requests_graceful_shutdown_second_forces(
     try:
         async with Publisher(amqp) as publisher:
             event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-        await _eventually(lambda: gate.entered == 1, what="the handler")
+        await eventually(lambda: gate.entered == 1, what="the handler")
         os.kill(os.getpid(), signal.SIGTERM)
-        await _eventually(lambda: managed.state == "draining", what="a graceful shutdown")
+        await eventually(lambda: managed.state == "draining", what="a graceful shutdown")
         await asyncio.sleep(0.1)
         assert managed.state == "draining"  # the first signal does not force
         assert gate.cancelled == 0
@@ -607,7 +582,7 @@ async def test_delivery_deadline_cancels_the_handler_and_hands_off_a_retry(
     try:
         async with Publisher(amqp) as publisher:
             event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-        await _eventually(lambda: bool(_outcomes(managed, event_id)), what="the terminal outcome")
+        await eventually(lambda: bool(_outcomes(managed, event_id)), what="the terminal outcome")
     finally:
         report = await managed.shutdown()
     observation = _observation(managed, event_id)
@@ -658,7 +633,7 @@ async def test_delivery_deadline_drops_a_handler_that_ignores_cancellation(
     try:
         async with Publisher(amqp) as publisher:
             event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-        await _eventually(lambda: bool(_outcomes(managed, event_id)), what="the terminal outcome")
+        await eventually(lambda: bool(_outcomes(managed, event_id)), what="the terminal outcome")
         observation = _observation(managed, event_id)
         # Deadline (0.3 s) + cooperation window (0.2 s), then the task is dropped.
         assert 0.5 <= observation.duration < 2.0
@@ -706,7 +681,7 @@ async def test_shutdown_report_does_not_claim_success_while_a_dropped_handler_st
     try:
         async with Publisher(amqp) as publisher:
             event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-        await _eventually(lambda: _outcomes(managed, event_id) == ["retried"], what="the deadline")
+        await eventually(lambda: _outcomes(managed, event_id) == ["retried"], what="the deadline")
         report = await managed.shutdown()
         assert not stubborn_done.is_set()  # the dropped handler outlived the shutdown
         assert report.succeeded is False
@@ -744,18 +719,18 @@ async def test_broker_closed_connection_leaves_old_deliveries_unresolved_and_con
         [pid] = await _broker_connection_pids(connection_name)
         async with Publisher(amqp) as publisher:
             held = await publisher.publish_json(q, {"hold": True}, version=1)
-            await _eventually(lambda: gate.entered == 1, what="the held handler")
+            await eventually(lambda: gate.entered == 1, what="the held handler")
             await _rabbitmqctl("close_connection", pid, "lifecycle test")
             # The broker requeues the unacked delivery; the robust connection reconnects
             # and the redelivery reaches the handler while the first call still runs.
-            await _eventually(lambda: (held, True) in calls, what="the redelivery")
+            await eventually(lambda: (held, True) in calls, what="the redelivery")
             assert managed.snapshot().transport_generation == 2
             # The redelivery is settled on the new channel while the old call still runs.
-            await _eventually(lambda: _outcomes(managed, held) == ["acked"], what="the redelivery's ACK")
+            await eventually(lambda: _outcomes(managed, held) == ["acked"], what="the redelivery's ACK")
             gate.release.set()
-            await _eventually(lambda: len(_outcomes(managed, held)) == 2, what="the old delivery to end")
+            await eventually(lambda: len(_outcomes(managed, held)) == 2, what="the old delivery to end")
             fresh = await publisher.publish_json(q, {"n": 2}, version=1)
-            await _eventually(lambda: _outcomes(managed, fresh) == ["acked"], what="a new delivery")
+            await eventually(lambda: _outcomes(managed, fresh) == ["acked"], what="a new delivery")
         old = [o for o in managed.delivery_terminal_observations() if o.event_id == held][-1]
         assert old.outcome == "unresolved"
         assert old.ack_sent is False
@@ -789,12 +764,12 @@ async def test_transport_loss_is_settled_by_the_decision_table_not_by_a_crash(
         [pid] = await _broker_connection_pids(connection_name)
         async with Publisher(amqp) as publisher:
             event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-        await _eventually(lambda: gate.entered == 1, what="the held handler")
+        await eventually(lambda: gate.entered == 1, what="the held handler")
         await _rabbitmqctl("close_connection", pid, "lifecycle test")
-        await _eventually(lambda: managed.snapshot().transport_generation == 2, what="the reconnect")
+        await eventually(lambda: managed.snapshot().transport_generation == 2, what="the reconnect")
         caplog.clear()
         gate.release.set()
-        await _eventually(lambda: "unresolved" in _outcomes(managed, event_id), what="the old delivery to end")
+        await eventually(lambda: "unresolved" in _outcomes(managed, event_id), what="the old delivery to end")
     finally:
         gate.release.set()
         await managed.shutdown()
@@ -837,11 +812,11 @@ async def test_broker_closed_connection_with_the_inbox_applies_the_effect_once(
         [pid] = await _broker_connection_pids(connection_name)
         async with Publisher(amqp) as publisher:
             event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-        await _eventually(lambda: gate.entered == 1, what="the held handler")
+        await eventually(lambda: gate.entered == 1, what="the held handler")
         await _rabbitmqctl("close_connection", pid, "lifecycle test")
-        await _eventually(lambda: managed.snapshot().transport_generation == 2, what="the reconnect")
+        await eventually(lambda: managed.snapshot().transport_generation == 2, what="the reconnect")
         gate.release.set()
-        await _eventually(
+        await eventually(
             lambda: bool(_outcomes(managed, event_id)) and _outcomes(managed, event_id)[-1] in ("acked", "duplicate"),
             timeout=20,
             what="the redelivery to be settled",
@@ -897,7 +872,7 @@ async def test_snapshot_and_reprs_never_expose_ids_names_endpoints_or_credential
         async with Publisher(amqp) as publisher:
             for event_id in event_ids:
                 await publisher.publish_json(q, {"n": 1}, version=1, event_id=event_id)
-        await _eventually(lambda: len(managed.delivery_terminal_observations()) == 3, what="three outcomes")
+        await eventually(lambda: len(managed.delivery_terminal_observations()) == 3, what="three outcomes")
         snapshot = managed.snapshot()
         texts = [repr(snapshot), str(snapshot)]
         texts += [repr(leaf) for leaf in _walk(snapshot)] + [str(leaf) for leaf in _walk(snapshot)]
@@ -933,7 +908,7 @@ async def test_terminal_observations_keep_the_last_4096(amqp: str, names: Broker
     try:
         async with Publisher(amqp) as publisher:
             real = [await publisher.publish_json(q, {"n": n}, version=1) for n in range(3)]
-        await _eventually(lambda: len(managed.delivery_terminal_observations()) == 3, what="three outcomes")
+        await eventually(lambda: len(managed.delivery_terminal_observations()) == 3, what="three outcomes")
         runtime = managed._runtime
         assert runtime is not None
         for n in range(5000):
@@ -1016,7 +991,7 @@ async def test_shutdown_leaves_a_caller_owned_mongo_client_open(
     try:
         async with Publisher(amqp) as publisher:
             event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-        await _eventually(lambda: _outcomes(managed, event_id) == ["acked"], timeout=20, what="the ACK")
+        await eventually(lambda: _outcomes(managed, event_id) == ["acked"], timeout=20, what="the ACK")
     finally:
         report = await managed.shutdown()
     assert [a.name for a in report.actions] == [

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import inspect
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -30,7 +29,6 @@ from lily_mongo import (
     EventId,
     InboxOptions,
     Json,
-    ManagedConsumer,
     MongoScope,
     Publisher,
     QueueHandlerError,
@@ -41,7 +39,16 @@ from lily_mongo import (
 from lily_mongo.envelope import validate_envelope
 from lily_mongo.outbox import OutboxRelay
 from lily_mongo.publisher import JSON, prepare_publication
-from tests.support import BrokerNames, FailPoints, drain, queue_depth, wait_for_depth
+from tests.support import (
+    BrokerNames,
+    FailPoints,
+    drain,
+    eventually,
+    outcomes,
+    queue_depth,
+    running,
+    wait_for_depth,
+)
 
 OUTBOX = "lily_outbox"
 EFFECTS = "effects"
@@ -50,32 +57,6 @@ SEVEN_DAYS = 7 * 24 * 3600.0
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-async def eventually(
-    check: Callable[[], bool] | Callable[[], Awaitable[bool]], *, timeout: float = 10.0, what: str = "condition"
-) -> None:
-    """Poll ``check`` (sync or async) until it holds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        result = check()
-        if inspect.isawaitable(result):
-            result = await result
-        if result:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-@contextlib.asynccontextmanager
-async def running(consumer: Consumer) -> AsyncIterator[ManagedConsumer]:
-    managed = await consumer.start()
-    try:
-        yield managed
-    finally:
-        await managed.shutdown()  # returns the same report when the test already shut down
 
 
 def make_consumer(
@@ -162,10 +143,6 @@ def event_ids(messages: list[aio_pika.abc.AbstractIncomingMessage]) -> list[str]
     return [str(m.headers["x-lily-event-id"]) for m in messages]
 
 
-def outcomes(managed: ManagedConsumer) -> list[str]:
-    return [o.outcome for o in managed.delivery_terminal_observations()]
-
-
 # -- a committed record is relayed ----------------------------------------------------------------
 
 
@@ -188,11 +165,11 @@ async def test_committed_record_is_published_with_canonical_headers_and_marked(
         staged.append((first, second))
 
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
-    async with running(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         source = await publish(amqp, q, {"n": 7})
-        await eventually(lambda: managed.snapshot().outbox_published == 2, what="two records relayed")
+        await eventually(lambda: managed.snapshot().outbox_published == 2, what="two records relayed", interval=0.05)
         assert await wait_for_depth(amqp_channel, down, 2) == 2
-        await eventually(lambda: managed.snapshot().outbox_pending == 0, what="the relay's idle count")
+        await eventually(lambda: managed.snapshot().outbox_pending == 0, what="the relay's idle count", interval=0.05)
     assert outcomes(managed) == ["acked"]
     generated, returned_given = staged[-1]
     assert returned_given == given
@@ -246,12 +223,12 @@ async def test_aborted_attempt_publishes_nothing(
         raise QueueHandlerError.permanent("ORDER_INVALID", "no lines")
 
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
-    async with running(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         event = await publish(amqp, q, {"n": 1})
-        await eventually(lambda: outcomes(managed) == ["dead_lettered"], what="the DLQ handoff")
+        await eventually(lambda: outcomes(managed) == ["dead_lettered"], what="the DLQ handoff", interval=0.05)
         # Several relay polls pass: nothing is there to publish.
         await asyncio.sleep(0.5)
-        await eventually(lambda: managed.snapshot().outbox_pending == 0, what="the relay's idle count")
+        await eventually(lambda: managed.snapshot().outbox_pending == 0, what="the relay's idle count", interval=0.05)
         assert managed.snapshot().outbox_published == 0
     assert calls == [event]
     assert await mongo_client[database_name][OUTBOX].count_documents({}) == 0
@@ -287,7 +264,7 @@ async def test_transient_replay_writes_and_publishes_exactly_one_record(
 
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
     consumer.use(middleware)
-    async with running(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         await mongo_client.admin.command(
             {
                 "configureFailPoint": "failCommand",
@@ -301,8 +278,8 @@ async def test_transient_replay_writes_and_publishes_exactly_one_record(
             }
         )
         event = await publish(amqp, q, {"n": 1})
-        await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery")
-        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the relay")
+        await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery", interval=0.05)
+        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the relay", interval=0.05)
         assert await wait_for_depth(amqp_channel, down, 1) == 1
         await asyncio.sleep(0.3)  # a few relay polls: no second message appears
         assert await queue_depth(amqp_channel, down) == 1
@@ -340,15 +317,15 @@ async def test_unroutable_record_is_retried_then_parked_as_failed(
     options = InboxOptions(relay=RelayOptions(max_attempts=2, backoff_base=0.05, poll_interval=0.1))
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options)
     outbox = mongo_client[database_name][OUTBOX]
-    async with running(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         await publish(amqp, q, {"n": 1})
-        await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery")
+        await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery", interval=0.05)
 
         async def parked() -> bool:
             return await outbox.count_documents({"status": "failed"}) == 1
 
-        await eventually(parked, what="the record parked as failed")
-        await eventually(lambda: managed.snapshot().outbox_failed == 1, what="snapshot().outbox_failed")
+        await eventually(parked, what="the record parked as failed", interval=0.05)
+        await eventually(lambda: managed.snapshot().outbox_failed == 1, what="snapshot().outbox_failed", interval=0.05)
         snapshot = managed.snapshot()
         assert (snapshot.outbox_pending, snapshot.outbox_published) == (0, 0)
     [record] = await outbox.find({}).to_list()
@@ -380,18 +357,20 @@ async def test_a_record_for_a_missing_exchange_does_not_stall_the_relay(
     options = InboxOptions(relay=RelayOptions(max_attempts=2, backoff_base=0.05, poll_interval=0.1))
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options)
     outbox = mongo_client[database_name][OUTBOX]
-    async with running(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         await publish(amqp, q, {"name": "bad", "bad": True})
-        await eventually(lambda: outcomes(managed) == ["acked"], what="the first delivery")
+        await eventually(lambda: outcomes(managed) == ["acked"], what="the first delivery", interval=0.05)
 
         async def parked() -> bool:
             return await outbox.count_documents({"status": "failed"}) == 1
 
         # The broker closed the relay's channel on every attempt (404 NOT_FOUND): it is parked after two.
-        await eventually(parked, what="the record for the missing exchange parked")
+        await eventually(parked, what="the record for the missing exchange parked", interval=0.05)
         await publish(amqp, q, {"name": "good", "bad": False})
-        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the good record published")
-        await eventually(lambda: managed.snapshot().outbox_failed == 1, what="the bad record parked")
+        await eventually(
+            lambda: managed.snapshot().outbox_published == 1, what="the good record published", interval=0.05
+        )
+        await eventually(lambda: managed.snapshot().outbox_failed == 1, what="the bad record parked", interval=0.05)
     assert event_ids(await drain(amqp_channel, down)) == [str(staged["good"])]
     bad = await outbox.find_one({"event_id": str(staged["bad"])})
     assert bad is not None
@@ -419,9 +398,9 @@ async def test_binary_header_values_are_relayed_as_byte_arrays(
         staged["one"] = await mongo.outbox.publish_json(down, order, version=1, headers=headers)
 
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
-    async with running(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         await publish(amqp, q, {"name": "one"})
-        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the record published")
+        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the record published", interval=0.05)
     [message] = await drain(amqp_channel, down)
     assert message.headers["x-lily-event-id"] == str(staged["one"])
     assert bytes(message.headers["x-fingerprint"]) == b"\x00\x01"
@@ -453,7 +432,7 @@ async def test_a_malformed_record_is_a_failed_attempt_and_the_relay_goes_on(
             doc = await outbox.find_one({"_id": broken["_id"]})
             return doc is not None and doc["status"] == "failed"
 
-        await eventually(parked, what="the malformed record parked")
+        await eventually(parked, what="the malformed record parked", interval=0.05)
         assert not any(task.done() for task in tasks)  # the relay is still running
     assert event_ids(await drain(amqp_channel, down)) == [good["event_id"]]
     doc = await outbox.find_one({"_id": broken["_id"]})
@@ -482,7 +461,7 @@ async def test_two_relays_publish_every_record_exactly_once(
         async def all_published() -> bool:
             return await outbox.count_documents({"status": "published"}) == len(records)
 
-        await eventually(all_published, what="every record published")
+        await eventually(all_published, what="every record published", interval=0.05)
         await asyncio.sleep(0.3)  # both relays poll again: nothing is republished
     messages = await drain(amqp_channel, down)
     published = event_ids(messages)
@@ -524,20 +503,20 @@ async def test_expired_claim_is_taken_over_and_a_live_claim_is_respected(
         async def taken_over() -> bool:
             return await outbox.count_documents({"_id": crashed["_id"], "status": "published"}) == 1
 
-        await eventually(taken_over, what="the expired claim taken over")
+        await eventually(taken_over, what="the expired claim taken over", interval=0.05)
         await asyncio.sleep(0.5)  # ten polls while the other claim is live
         still = await outbox.find_one({"_id": held["_id"]})
         assert still is not None
         assert (still["status"], still["claim_owner"], still["claim_token"]) == ("pending", "alive", "t2")
         assert event_ids(await drain(amqp_channel, down)) == [crashed["event_id"]]
-        await eventually(lambda: relay.pending == 1, what="the relay's idle count")
+        await eventually(lambda: relay.pending == 1, what="the relay's idle count", interval=0.05)
         # Once that claim expires, the record is published after all.
         await outbox.update_one({"_id": held["_id"]}, {"$set": {"claim_expires": now - datetime.timedelta(seconds=1)}})
 
         async def released() -> bool:
             return await outbox.count_documents({"_id": held["_id"], "status": "published"}) == 1
 
-        await eventually(released, what="the formerly held record published")
+        await eventually(released, what="the formerly held record published", interval=0.05)
     assert event_ids(await drain(amqp_channel, down)) == [held["event_id"]]
     taken = await outbox.find_one({"_id": crashed["_id"]})
     assert taken is not None
@@ -569,7 +548,9 @@ async def test_graceful_shutdown_stops_the_relay_and_leaves_pending_records(
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
     managed = await consumer.start()
     try:
-        await eventually(lambda: managed.snapshot().outbox_pending == 3, what="the relay saw the pending records")
+        await eventually(
+            lambda: managed.snapshot().outbox_pending == 3, what="the relay saw the pending records", interval=0.05
+        )
     finally:
         report = await managed.shutdown()
     action = report.action("relay_stop")
@@ -602,9 +583,9 @@ async def test_run_relay_false_leaves_records_pending_for_another_relay(
     options = InboxOptions(run_relay=False, relay=FAST_RELAY)
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options)
     outbox = mongo_client[database_name][OUTBOX]
-    async with running(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         await publish(amqp, q, {"n": 1})
-        await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery")
+        await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery", interval=0.05)
         await asyncio.sleep(0.5)  # what would be several relay polls
         assert managed.snapshot().outbox_published == 0
         assert await queue_depth(amqp_channel, down) == 0
@@ -617,7 +598,7 @@ async def test_run_relay_false_leaves_records_pending_for_another_relay(
     # A relay run elsewhere picks it up.
     relay = OutboxRelay(outbox, RelayOptions(poll_interval=0.05), "relay-elsewhere")
     async with relays_running(amqp_connection, [relay]):
-        await eventually(lambda: relay.published == 1, what="the relay elsewhere")
+        await eventually(lambda: relay.published == 1, what="the relay elsewhere", interval=0.05)
     assert event_ids(await drain(amqp_channel, down)) == [str(staged[-1])]
 
 
@@ -649,12 +630,14 @@ async def test_outbox_body_over_the_bound_raises_config_error_in_the_handler(
     options = InboxOptions(outbox_max_body=64, relay=FAST_RELAY)
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options, unknown_errors="permanent")
     outbox = mongo_client[database_name][OUTBOX]
-    async with running(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         await publish(amqp, q, {"fill": "a", "catch": True})
-        await eventually(lambda: outcomes(managed) == ["acked"], what="the caught case")
+        await eventually(lambda: outcomes(managed) == ["acked"], what="the caught case", interval=0.05)
         bad = await publish(amqp, q, {"fill": "b", "catch": False})
-        await eventually(lambda: outcomes(managed) == ["acked", "dead_lettered"], what="the uncaught case")
-        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the relay")
+        await eventually(
+            lambda: outcomes(managed) == ["acked", "dead_lettered"], what="the uncaught case", interval=0.05
+        )
+        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the relay", interval=0.05)
         assert await wait_for_depth(amqp_channel, f"{q}.dlq", 1) == 1
     [error] = caught
     assert "QUEUE_BODY_TOO_LARGE" in str(error)

@@ -7,7 +7,6 @@ sees it, the consumer keeps running, and no message is lost.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -19,9 +18,9 @@ import aio_pika.abc
 import pydantic
 import pytest
 
-from lily_mongo import Consumer, Json, ManagedConsumer, RetryPolicy, TerminalObservation, queue
+from lily_mongo import Consumer, Json, RetryPolicy, queue
 from lily_mongo.bounds import BOUNDS
-from tests.support import BrokerNames, drain, queue_depth
+from tests.support import BrokerNames, drain, queue_depth, wait_observations
 
 SECRET = "SECRET-VALUE-"  # marks oversized header values; must never be echoed back
 
@@ -114,17 +113,6 @@ POISON = [
         "QUEUE_METADATA_BOUNDS_EXCEEDED",
     ),
 ]
-
-
-async def wait_observations(managed: ManagedConsumer, count: int, timeout: float = 10.0) -> list[TerminalObservation]:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while len(managed.delivery_terminal_observations()) < count:
-        if loop.time() > deadline:
-            seen = [o.outcome for o in managed.delivery_terminal_observations()]
-            raise AssertionError(f"timed out waiting for {count} terminal observations (have {seen})")
-        await asyncio.sleep(0.02)
-    return list(managed.delivery_terminal_observations())
 
 
 async def publish_raw(

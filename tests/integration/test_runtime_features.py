@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import aio_pika
@@ -43,7 +43,17 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.topology import declare_topology
-from tests.support import BrokerNames, drain, queue_depth, wait_for_depth
+from tests.support import (
+    BrokerNames,
+    drain,
+    eventually,
+    new_tasks,
+    outcomes,
+    queue_depth,
+    queue_exists,
+    running,
+    wait_for_depth,
+)
 
 CallNext = Callable[[], Awaitable[None]]
 PARKED = RetryPolicy(max_retries=1, delays=(30,))  # a retry copy would stay in its bucket for the whole test
@@ -78,32 +88,6 @@ RAW_TEXT: CustomPublishContent[bytes] = CustomPublishContent("text", "text/plain
 # -- helpers --------------------------------------------------------------------------------------
 
 
-async def eventually(predicate: Callable[[], bool], *, timeout: float = 10.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-@contextlib.asynccontextmanager
-async def running(consumer: Consumer, release: asyncio.Event | None = None) -> AsyncIterator[ManagedConsumer]:
-    """Start ``consumer``; on the way out open ``release`` (so blocked handlers can end), then shut down."""
-    managed = await consumer.start()
-    try:
-        yield managed
-    finally:
-        if release is not None:
-            release.set()
-        report = await managed.shutdown()  # the same report when the test already shut down
-        assert report.unresolved == 0, report.render()
-
-
-def outcomes(managed: ManagedConsumer) -> list[str]:
-    return [o.outcome for o in managed.delivery_terminal_observations()]
-
-
 def by_event(managed: ManagedConsumer) -> dict[uuid.UUID | None, TerminalObservation]:
     return {o.event_id: o for o in managed.delivery_terminal_observations()}
 
@@ -114,11 +98,6 @@ async def dlq_codes(channel: aio_pika.abc.AbstractChannel, q: str) -> dict[str, 
         str(m.headers["x-lily-event-id"]): str(m.headers["x-lily-failure-code"])
         for m in await drain(channel, f"{q}.dlq")
     }
-
-
-def new_tasks(before: set[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
-    current = asyncio.current_task()
-    return {t for t in asyncio.all_tasks() - before if t is not current and not t.done()}
 
 
 # -- middleware and guards ------------------------------------------------------------------------
@@ -405,18 +384,6 @@ async def test_concurrency_bounds_running_handlers(
 
 
 # -- topology -------------------------------------------------------------------------------------
-
-
-async def queue_exists(connection: aio_pika.abc.AbstractConnection, name: str) -> bool:
-    channel = await connection.channel()
-    try:
-        await channel.declare_queue(name, passive=True)
-    except aiormq.exceptions.ChannelNotFoundEntity:
-        return False
-    finally:
-        if not channel.is_closed:
-            await channel.close()
-    return True
 
 
 async def declare_or_refusal(

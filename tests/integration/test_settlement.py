@@ -28,7 +28,6 @@ from lily_mongo import (
     Consumer,
     EventId,
     Json,
-    ManagedConsumer,
     Publisher,
     QueueHandlerError,
     Redelivered,
@@ -38,7 +37,7 @@ from lily_mongo import (
     TerminalObservation,
     queue,
 )
-from tests.support import BrokerNames, drain, queue_depth
+from tests.support import BrokerNames, drain, eventually, queue_depth, running, wait_observations
 
 LONG_DELAY = 30.0  # long enough to inspect a retry copy in its bucket before the TTL sends it back
 
@@ -48,34 +47,6 @@ class Order(pydantic.BaseModel):
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-
-async def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-async def wait_observations(managed: ManagedConsumer, count: int, timeout: float = 10.0) -> list[TerminalObservation]:
-    """Wait until ``count`` deliveries have ended; return their observations, oldest first."""
-    await wait_until(
-        lambda: len(managed.delivery_terminal_observations()) >= count,
-        f"{count} terminal observations (have {[o.outcome for o in managed.delivery_terminal_observations()]})",
-        timeout,
-    )
-    return list(managed.delivery_terminal_observations())
-
-
-@contextlib.asynccontextmanager
-async def started(consumer: Consumer) -> AsyncIterator[ManagedConsumer]:
-    managed = await consumer.start()
-    try:
-        yield managed
-    finally:
-        await managed.shutdown()  # idempotent: returns the same report when the test already shut down
 
 
 async def publish_orders(amqp: str, q: str, *ids: int, **options: Any) -> list[uuid.UUID]:
@@ -145,7 +116,7 @@ async def test_success_acks_the_original(
     consumer = Consumer(amqp_url=amqp, name="t")
     consumer.configure_queue(q, retry=RetryPolicy(max_retries=2, delays=(0.2,)))
     consumer.include(recording_handler(q, calls, raising()))
-    async with started(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         [event_id] = await publish_orders(amqp, q, 7)
         [obs] = await wait_observations(managed, 1)
         report = await managed.shutdown()
@@ -171,7 +142,7 @@ async def test_retryable_failure_hands_a_copy_to_the_retry_bucket(
     consumer.include(
         recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY", "stock service down")))
     )
-    async with started(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         [event_id] = await publish_orders(amqp, q, 7, headers={"x-tenant": "acme"})
         [obs] = await wait_observations(managed, 1)
         await managed.shutdown()
@@ -203,7 +174,7 @@ async def test_retry_copy_returns_after_its_ttl_with_the_count_incremented(
     consumer = Consumer(amqp_url=amqp, name="t")
     consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(0.2,)))
     consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"), times=2)))
-    async with started(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         [event_id] = await publish_orders(amqp, q, 7)
         observations = await wait_observations(managed, 3)
         await managed.shutdown()
@@ -223,7 +194,7 @@ async def test_retry_count_is_written_as_long_int_on_the_wire(
     consumer = Consumer(amqp_url=amqp, name="t")
     consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)))
     consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"))))
-    async with started(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         await publish_orders(amqp, q, 7)
         await wait_observations(managed, 1)
         await managed.shutdown()
@@ -259,7 +230,7 @@ async def test_retries_exhausted_go_to_the_dlq(
     consumer = Consumer(amqp_url=amqp, name="t")
     consumer.configure_queue(q, retry=RetryPolicy(max_retries=2, delays=(0.1,)))
     consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY", "still down"))))
-    async with started(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         [event_id] = await publish_orders(amqp, q, 7)
         observations = await wait_observations(managed, 3)
         await managed.shutdown()
@@ -289,7 +260,7 @@ async def test_permanent_failure_goes_to_the_dlq_with_the_handler_code(
     consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(0.1,)))
     error = QueueHandlerError.permanent("ORDER_UNKNOWN", "no order 7 in the catalogue")
     consumer.include(recording_handler(q, calls, raising(error)))
-    async with started(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         [event_id] = await publish_orders(amqp, q, 7)
         [obs] = await wait_observations(managed, 1)
         await managed.shutdown()
@@ -318,7 +289,7 @@ async def test_unknown_exception_is_retryable_by_default(
     consumer = Consumer(amqp_url=amqp, name="t")
     consumer.configure_queue(q, retry=RetryPolicy(max_retries=1, delays=(0.1,)))
     consumer.include(recording_handler(q, calls, raising(ValueError("boom"))))
-    async with started(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         await publish_orders(amqp, q, 7)
         observations = await wait_observations(managed, 2)
         await managed.shutdown()
@@ -340,7 +311,7 @@ async def test_unknown_exception_is_permanent_when_configured(
     consumer = Consumer(amqp_url=amqp, name="t")
     consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(0.1,)), unknown_errors="permanent")
     consumer.include(recording_handler(q, calls, raising(ValueError("boom"))))
-    async with started(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         await publish_orders(amqp, q, 7)
         [obs] = await wait_observations(managed, 1)
         await managed.shutdown()
@@ -373,7 +344,7 @@ async def test_handoff_failure_requeues_then_the_broker_dead_letters(
     consumer = Consumer(amqp_url=amqp, name="t")
     consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)), max_handoff_failures=2)
     consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"))))
-    async with started(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         await _break_bucket(amqp_channel, f"{q}.retry.0", how)
         event_ids = await publish_orders(amqp, q, 1, 2, 3)
         observations = await wait_observations(managed, 6)
@@ -494,7 +465,7 @@ async def test_handoff_confirm_timeout_requeues_the_original(
         consumer = Consumer(amqp_url=relayed_url, name="t", confirm_timeout=0.5)
         consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)))
         consumer.include(recording_handler(q, calls, behaviour))
-        async with started(consumer) as managed:
+        async with running(consumer, expect_clean=False) as managed:
             await publish_orders(amqp, q, 7)
             [first] = await wait_observations(managed, 1)
             relay.release()
@@ -564,7 +535,7 @@ async def _run_ack_lost_after_confirm(amqp: str, channel: aio_pika.abc.AbstractC
     consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)))
     # First attempt fails (retry handoff), the broker's redelivery then succeeds.
     consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"), times=1)))
-    async with started(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         runtime = managed._runtime
         assert runtime is not None
         assert runtime.handoff_channel is not None
@@ -625,7 +596,7 @@ async def test_body_over_max_body_is_dead_lettered_by_the_broker(
     consumer = Consumer(amqp_url=amqp, name="t")
     consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(0.1,)), max_body=64)
     consumer.include(recording_handler(q, calls, raising()))
-    async with Publisher(amqp) as publisher, started(consumer) as managed:
+    async with Publisher(amqp) as publisher, running(consumer, expect_clean=False) as managed:
         big = await publisher.publish_json(q, {"id": 1, "pad": "x" * 100}, version=1)
         small = await publisher.publish_json(q, {"id": 2}, version=1)
         observations = await wait_observations(managed, 2)
@@ -673,11 +644,11 @@ async def _run_transport_lost(
         # Permits for the two stuck deliveries and for their redeliveries.
         consumer.configure_queue(q, concurrency=4, retry=RetryPolicy(max_retries=3, delays=(0.1,)))
         consumer.include(recording_handler(q, calls, behaviour))
-        async with started(consumer) as managed:
+        async with running(consumer, expect_clean=False) as managed:
             runtime = managed._runtime
             assert runtime is not None
             await publish_orders(amqp, q, 1, 2)
-            await wait_until(lambda: len(calls.ids) == 2, "both deliveries in the handler")
+            await eventually(lambda: len(calls.ids) == 2, what="both deliveries in the handler")
             consuming = runtime.queues[q].channel
             assert consuming is not None
             if lose == "channel":
@@ -686,7 +657,7 @@ async def _run_transport_lost(
                 await relay.sever()
             try:
                 # The broker requeues both; the restored consumer gets them again (and acks them).
-                await wait_until(lambda: len(calls.ids) == 4, "both deliveries redelivered")
+                await eventually(lambda: len(calls.ids) == 4, what="both deliveries redelivered")
                 await wait_observations(managed, 2)
             finally:
                 release.set()
@@ -744,7 +715,7 @@ async def test_dlq_copy_keeps_the_original_message_properties(
         "x-lily-content-kind": "json",
         "x-tenant": "acme",
     }
-    async with started(consumer) as managed:
+    async with running(consumer, expect_clean=False) as managed:
         await amqp_channel.default_exchange.publish(
             aio_pika.Message(
                 b'{"id": 1}',

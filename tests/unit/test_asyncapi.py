@@ -27,6 +27,7 @@ from lily_mongo import Bytes, Consumer, Json, RetryPolicy, Text, queue
 from lily_mongo.asyncapi import asyncapi_document
 from lily_mongo.plan import Plan
 from lily_mongo.publisher import BINARY, JSON, TEXT, prepare_publication
+from tests.support import resolve, version_and_content
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1/"
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "data" / "asyncapi-3.0.0.schema.json"
@@ -125,21 +126,6 @@ def walk_refs(node: Any) -> Iterator[str]:
             yield from walk_refs(item)
 
 
-def resolve(document: dict[str, Any], ref: str) -> Any:
-    """Follow a local JSON pointer (RFC 6901) inside ``document``; KeyError when it points nowhere."""
-    assert ref.startswith("#/"), f"not a local reference: {ref!r}"
-    node: Any = document
-    for token in ref[2:].split("/"):
-        token = token.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, list):
-            node = node[int(token)]
-        elif isinstance(node, dict) and token in node:
-            node = node[token]
-        else:
-            raise KeyError(f"{ref!r} does not resolve (missing {token!r})")
-    return node
-
-
 def assert_refs_resolve(document: dict[str, Any]) -> None:
     unresolved = []
     for ref in walk_refs(document):
@@ -160,11 +146,6 @@ def channel_by_address(document: dict[str, Any], address: str) -> dict[str, Any]
 def channel_messages(document: dict[str, Any], address: str) -> list[dict[str, Any]]:
     channel = channel_by_address(document, address)
     return [resolve(document, ref["$ref"]) if "$ref" in ref else ref for ref in channel["messages"].values()]
-
-
-def version_and_content(message: dict[str, Any]) -> tuple[str, str]:
-    properties = message["headers"]["properties"]
-    return properties["x-lily-schema-version"]["const"], properties["x-lily-content-kind"]["const"]
 
 
 def payload_validator(document: dict[str, Any], message_ref: str) -> jsonschema.Draft7Validator:
