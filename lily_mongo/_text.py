@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["describe_key", "describe_value", "truncate_utf8"]
+__all__ = ["describe_key", "describe_value", "sanitize", "truncate_utf8"]
 
 _UNSAFE = re.compile(r"[^\x20-\x7e]")
 
@@ -45,3 +45,9 @@ def describe_key(key: str, limit: int = 40) -> str:
     """A bounded, printable rendering of a header key for error reasons."""
     preview = _UNSAFE.sub("?", key[:limit])
     return f"'{preview}'" + ("..." if len(key) > limit else "")
+
+
+def sanitize(text: str, max_bytes: int) -> str:
+    """Printable ASCII only (anything else becomes ``?``), cut to ``max_bytes``: for header values
+    built from untrusted text, such as a failure reason."""
+    return _UNSAFE.sub("?", text[:max_bytes])

@@ -36,7 +36,7 @@ import aio_pika.abc
 import aiormq.exceptions
 
 from ._amqp import republish
-from ._text import truncate_utf8
+from ._text import sanitize, truncate_utf8
 from .bounds import BOUNDS
 from .envelope import RETRY_COUNT_HEADER, Envelope, sanitize_headers, validate_envelope
 from .errors import EnvelopeError, ErrorCode, PublishError, QueueHandlerError
@@ -316,9 +316,6 @@ class Runtime:
                 finally:
                     expiry.cancel()
 
-    def _release_permit(self, qr: QueueRuntime) -> None:
-        qr.free_permits += 1
-
     async def stop_intake(self) -> list[BaseException]:
         """Cancel consumers, stop admission and return buffered (unstarted) deliveries."""
         errors: list[BaseException] = []
@@ -367,7 +364,7 @@ class Runtime:
         state.finished = True
         qr = state.qr
         qr.in_flight -= 1
-        self._release_permit(qr)
+        qr.free_permits += 1  # a worker takes buffered work itself; the drop path kicks
         evidence = evidence or Evidence()
         execution = state.execution or Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_FAILED, ""))
         terminal = step.terminal.value if step is not None and step.terminal else Terminal.UNRESOLVED.value
@@ -707,7 +704,7 @@ class Runtime:
             else:
                 headers.pop(RETRY_COUNT_HEADER, None)
         headers["x-lily-failure-code"] = truncate_utf8(step.code or "", BOUNDS.failure_code_bytes)
-        headers["x-lily-failure-reason"] = truncate_utf8(_printable(step.reason), BOUNDS.failure_reason_bytes)
+        headers["x-lily-failure-reason"] = sanitize(step.reason, BOUNDS.failure_reason_bytes)
         headers["x-lily-failed-queue"] = options.name
         headers["x-lily-failed-at"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
         channel = self.handoff_channel
@@ -768,10 +765,6 @@ def _failure_key(message: aio_pika.abc.AbstractIncomingMessage, envelope: Envelo
     digest.update((message.routing_key or "").encode())
     digest.update((message.message_id or "").encode())
     return digest.digest()
-
-
-def _printable(text: str) -> str:
-    return "".join(ch if ch.isprintable() else "?" for ch in text[: BOUNDS.failure_reason_bytes])
 
 
 def _arguments(route: HandlerRoute, delivery: RawDelivery, scope: MongoScope | None, payload: Any) -> dict[str, Any]:
