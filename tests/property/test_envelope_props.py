@@ -9,13 +9,16 @@
 from __future__ import annotations
 
 import re
+import types
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lily_mongo.bounds import BOUNDS
+from lily_mongo import envelope as envelope_module
 from lily_mongo.envelope import Envelope, EnvelopeError, validate_envelope
 
 INVALID = "QUEUE_ENVELOPE_INVALID"
@@ -428,3 +431,143 @@ def test_body_bound(body_size: int, max_body: int) -> None:
     else:
         assert isinstance(outcome, EnvelopeError)
         assert outcome.code == BODY_TOO_LARGE
+
+
+# -- the accept-only fast path agrees with the full checks ------------------------------------------
+
+# Few versions and kinds, so the full path has seen (and remembered) them when the fast path runs.
+KNOWN_VERSIONS = ["1", "2", "65535"]
+KNOWN_KINDS = ["json", "text", "application.x+y-z"]
+near_canonical_values = st.one_of(
+    st.sampled_from([*KNOWN_VERSIONS, *KNOWN_KINDS, "01", "0", "65536", "JSON", "", " 1", "1\n"]),
+    st.sampled_from([EVENT_ID, EVENT_ID.upper(), "00000000-0000-0000-0000-000000000000", EVENT_ID + "\n"]),
+    st.sampled_from([TRACEPARENT, "ff" + TRACEPARENT[2:], TRACEPARENT[:3] + "0" * 32 + TRACEPARENT[35:]]),
+    st.sampled_from([TRACEPARENT[:36] + "0" * 16 + "-01", TRACEPARENT.upper(), TRACEPARENT + "x"]),
+    st.integers(-(2**64), 2**64),
+    st.sampled_from([0, 100, 101, -1, True, False, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1]),
+    st.text(max_size=64),
+    st.text(alphabet="ab", min_size=BOUNDS.header_value_bytes - 1, max_size=BOUNDS.header_value_bytes + 1),
+    field_values,
+)
+filler_keys = st.one_of(
+    st.text(max_size=12),
+    st.integers(BOUNDS.header_key_bytes - 1, BOUNDS.header_key_bytes + 1).map(lambda n: "k" * n),
+    st.sampled_from(["", "\u00e9t\u00e9", "x-delivery-count"]),
+)
+
+
+# Values right at each bound the fast path checks.
+boundary_headers = st.sampled_from(
+    [
+        ("x-retry-count", 100),
+        ("x-retry-count", 101),
+        ("x-retry-count", -1),
+        ("x-retry-count", True),
+        ("x-retry-count", "1"),
+        ("x-retry-count", None),
+        ("x-lily-event-id", "00000000-0000-0000-0000-000000000000"),
+        ("x-lily-event-id", EVENT_ID.upper()),
+        ("x-lily-event-id", 7),
+        ("x-lily-schema-version", "01"),
+        ("x-lily-schema-version", "70000"),
+        ("x-lily-schema-version", 1),
+        ("x-lily-content-kind", "JSON"),
+        ("x-lily-content-kind", ""),
+        ("x-lily-content-kind", 1),
+        ("traceparent", TRACEPARENT),
+        ("traceparent", "ff" + TRACEPARENT[2:]),
+        ("traceparent", TRACEPARENT + "0"),
+        ("traceparent", 5),
+        ("tracestate", "t" * BOUNDS.tracestate_bytes),
+        ("tracestate", "t" * (BOUNDS.tracestate_bytes + 1)),
+        ("tracestate", 5),
+        ("big", 2**63 - 1),
+        ("big", 2**63),
+        ("big", -(2**63)),
+        ("big", -(2**63) - 1),
+        ("k" * BOUNDS.header_key_bytes, "v"),
+        ("k" * (BOUNDS.header_key_bytes + 1), "v"),
+        ("", "v"),
+        ("\u00e9" * (BOUNDS.header_key_bytes // 2), "v"),
+        ("\u00e9" * (BOUNDS.header_key_bytes // 2 + 1), "v"),
+        ("\u00e9t\u00e9", "v"),
+        ("v", "\u00e9t\u00e9"),
+        ("v", "v" * BOUNDS.header_value_bytes),
+        ("v", "v" * (BOUNDS.header_value_bytes + 1)),
+        ("v", "\u00e9" * (BOUNDS.header_value_bytes // 2)),
+        ("v", "\u00e9" * (BOUNDS.header_value_bytes // 2 + 1)),
+        ("x-lily-failure-code", "X"),
+        ("v", 1.5),
+        ("v", b"bytes"),
+    ]
+)
+
+
+# Each ingredient is often absent, so most examples differ from a valid table in one respect only.
+def sometimes(strategy: st.SearchStrategy[Any], absent: Any) -> st.SearchStrategy[Any]:
+    return st.one_of(st.just(absent), st.just(absent), strategy)
+
+
+@settings(FUZZ, max_examples=1000)
+@given(
+    event_id=canonical_uuids,
+    version=st.sampled_from(KNOWN_VERSIONS),
+    kind=st.sampled_from(KNOWN_KINDS),
+    boundary=st.lists(boundary_headers, max_size=2),
+    overrides=sometimes(st.dictionaries(st.sampled_from(ENVELOPE_KEYS), near_canonical_values, max_size=2), {}),
+    extra=sometimes(st.dictionaries(filler_keys, near_canonical_values, max_size=4), {}),
+    entries=sometimes(st.sampled_from([3, 54, 55, 56, 57, 58, 59, 60, 61]), 0),
+    bulk=sometimes(st.sampled_from([7_000, 7_600, 7_640, 7_650, 7_660, 7_680]), 0),
+)
+def test_fast_path_agrees_with_the_full_checks(
+    event_id: uuid.UUID,
+    version: str,
+    kind: str,
+    boundary: list[tuple[str, object]],
+    overrides: dict[str, object],
+    extra: dict[str, object],
+    entries: int,
+    bulk: int,
+) -> None:
+    """A plain dict may take the fast path; a read-only mapping of it always takes the full one."""
+    for known_version, known_kind in zip(KNOWN_VERSIONS, KNOWN_KINDS, strict=True):
+        validate_envelope(
+            {**valid_headers(), "x-lily-schema-version": known_version, "x-lily-content-kind": known_kind}, 0
+        )
+    table: dict[str, object] = {
+        "x-lily-event-id": str(event_id),
+        "x-lily-schema-version": version,
+        "x-lily-content-kind": kind,
+    }
+    # Near the entry bound (64 less 5 reserved) and, with four bulky values, the byte bound (32 KiB less 2 KiB).
+    table.update({f"pad-{i}": "p" for i in range(entries)})
+    table.update({f"bulk-{i}": "b" * bulk for i in range(4 if bulk else 0)})
+    table.update(extra)
+    table.update(overrides)
+    table.update(boundary)
+    full = check_total(types.MappingProxyType(table), 0)
+    fast = check_total(table, 0)
+    if isinstance(full, Envelope):
+        assert fast == full
+        assert isinstance(fast, Envelope)
+        assert type(fast.event_id) is uuid.UUID and str(fast.event_id) == str(full.event_id)
+    else:
+        assert isinstance(fast, EnvelopeError)
+        assert (fast.code, fast.reason) == (full.code, full.reason)
+
+
+def test_fast_path_is_taken_for_a_typical_delivery() -> None:
+    """The agreement above is not vacuous: a typical delivery is accepted without the full checks."""
+    table = {**valid_headers(), "x-retry-count": 3, "traceparent": TRACEPARENT, "tracestate": "rojo=1"}
+    full = validate_envelope(types.MappingProxyType(table), 0)
+    assert envelope_module._accept_common(table) == full
+    assert envelope_module._accept_common({**table, "x-retry-count": True}) is None
+    assert envelope_module._accept_common({**table, "x-lily-schema-version": "70000"}) is None
+
+
+@FAST
+@given(event_id=canonical_uuids)
+def test_fast_uuid_construction_equals_uuid_parsing(event_id: uuid.UUID) -> None:
+    parsed = envelope_module._parse_canonical_uuid(str(event_id))
+    assert parsed == event_id and hash(parsed) == hash(event_id) and str(parsed) == str(event_id)
+    assert parsed.version == event_id.version and parsed.is_safe is uuid.SafeUUID.unknown
