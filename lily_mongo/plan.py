@@ -8,6 +8,7 @@ dispatch table the runtime reads on every delivery. Pure: no I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -242,17 +243,14 @@ class HandlerRoute:
     middleware: tuple[Middleware, ...]
     guards: tuple[Guard, ...]
     trace: str
+    # Derived from ``parameters`` once, not per delivery.
+    needs_scope: bool = dataclasses.field(init=False, repr=False, compare=False)
+    terminal: Parameter | None = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def needs_scope(self) -> bool:
-        return any(p.extractor is None for p in self.parameters)
-
-    @property
-    def terminal(self) -> Parameter | None:
-        for parameter in self.parameters:
-            if parameter.extractor is not None and parameter.extractor.terminal:
-                return parameter
-        return None
+    def __post_init__(self) -> None:
+        terminal = next((p for p in self.parameters if p.extractor is not None and p.extractor.terminal), None)
+        object.__setattr__(self, "needs_scope", any(p.extractor is None for p in self.parameters))
+        object.__setattr__(self, "terminal", terminal)
 
 
 @dataclass(frozen=True, slots=True)

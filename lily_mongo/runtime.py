@@ -4,10 +4,11 @@ One :class:`Runtime` per started consumer. Per physical queue it owns a
 channel (so prefetch and admission are per queue and a slow queue never
 starves another), a number of free admission permits and a local buffer.
 The broker callback admits a delivery at once while a permit is free, and
-buffers it otherwise. Admitted deliveries run in worker tasks of the
-supervisor's :class:`TaskSet`: a worker runs one delivery at a time, takes the
-next buffered one itself when it finishes, and waits idle for a while before
-it ends, so a busy queue costs no task creation per delivery.
+buffers it otherwise. An admitted delivery starts an eager worker task of the
+supervisor's :class:`TaskSet` (it runs at once, in the callback's turn of the
+event loop, up to its first suspension); a worker runs one delivery at a time
+and takes the next buffered one itself when it finishes, so a saturated queue
+costs no task creation per delivery.
 
 Settlement follows :func:`settlement.decide`; every ACK/NACK is written at most
 once, on the delivery's own channel, and only while that channel is alive and
@@ -40,7 +41,7 @@ from ._text import sanitize, truncate_utf8
 from .bounds import BOUNDS
 from .envelope import RETRY_COUNT_HEADER, Envelope, sanitize_headers, validate_envelope
 from .errors import EnvelopeError, ErrorCode, PublishError, QueueHandlerError
-from .extractors import NOT_DECODED, PayloadDecodeError, RawDelivery
+from .extractors import NOT_DECODED, PayloadDecodeError, RawDelivery, new_raw_delivery
 from .observe import ObservationLog, QueueCounters, QueueSnapshot
 from .plan import HandlerRoute, Plan, QueueOptions, dispatch
 from .settlement import (
@@ -76,8 +77,15 @@ class TaskSet:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
+    def spawn(
+        self, coro: Coroutine[Any, Any, Any], *, name: str | None = None, eager: bool = False
+    ) -> asyncio.Task[Any]:
+        """Start ``coro`` as a tracked task; ``eager`` runs it at once, up to its first suspension."""
+        loop = asyncio.get_running_loop()
+        if eager:
+            task: asyncio.Task[Any] = asyncio.Task(coro, loop=loop, name=name, eager_start=True)
+        else:
+            task = loop.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
@@ -161,7 +169,6 @@ class QueueRuntime:
         self.index = index
         self.options = options
         self.free_permits = options.concurrency
-        self.idle: collections.deque[asyncio.Future[_Delivery | None]] = collections.deque()
         self.buffer: collections.deque[aio_pika.abc.AbstractIncomingMessage] = collections.deque()
         self.channel: aio_pika.abc.AbstractChannel | None = None
         self.queue: aio_pika.abc.AbstractQueue | None = None
@@ -258,15 +265,15 @@ class Runtime:
                 log.debug("returning an unstarted delivery failed", exc_info=True)
 
     def _admit(self, qr: QueueRuntime, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        """Start a delivery on a permit the caller has taken: an idle worker takes it, or a new one."""
-        state = _Delivery(qr, message)
+        """Start a delivery on a permit the caller has taken, in a worker of its own.
+
+        The worker starts eagerly: it runs in the caller's turn of the event loop up to its
+        first suspension (the handler's first wait, or the ACK write) instead of a turn later.
+        It is still a task of its own: the AMQP library cancelling its consumer callbacks
+        when a channel closes never reaches a running handler.
+        """
         qr.in_flight += 1
-        while qr.idle:
-            waiter = qr.idle.popleft()
-            if not waiter.done():
-                waiter.set_result(state)
-                return
-        self.tasks.spawn(self._worker(qr, state), name="lily-worker")
+        self.tasks.spawn(self._worker(qr, _Delivery(qr, message)), name="lily-worker", eager=True)
 
     def _take_buffered(self, qr: QueueRuntime) -> _Delivery | None:
         """A buffered delivery with a permit taken for it, or None."""
@@ -285,14 +292,13 @@ class Runtime:
     async def _worker(self, qr: QueueRuntime, first: _Delivery) -> None:
         """Runs deliveries of one queue one after another, in this task.
 
-        A worker takes buffered work itself when its delivery ends, waits idle for
-        new work up to ``_WORKER_IDLE`` seconds, and ends when intake stops. At most
-        ``concurrency`` workers hold permits; a worker whose handler was dropped at its
-        deadline ends once the handler returns (its permit went on without it).
+        After its delivery a worker takes buffered work itself (a permit came free) and ends
+        when there is none. At most ``concurrency`` workers hold permits; a worker whose
+        handler was dropped at its deadline ends once the handler returns (its permit went
+        on without it).
         """
         task = asyncio.current_task()
         assert task is not None
-        loop = asyncio.get_running_loop()
         state: _Delivery | None = first
         while state is not None:
             self.deliveries[task] = state
@@ -305,16 +311,6 @@ class Runtime:
             if state.dropped:
                 return
             state = self._take_buffered(qr)
-            if state is None:
-                if not self.accepting:
-                    return
-                waiter: asyncio.Future[_Delivery | None] = loop.create_future()
-                qr.idle.append(waiter)
-                expiry = loop.call_later(_WORKER_IDLE, _expire_waiter, waiter)
-                try:
-                    state = await waiter
-                finally:
-                    expiry.cancel()
 
     async def stop_intake(self) -> list[BaseException]:
         """Cancel consumers, stop admission and return buffered (unstarted) deliveries."""
@@ -327,10 +323,6 @@ class Runtime:
                 except Exception as exc:
                     errors.append(exc)
         for qr in self.queues.values():
-            while qr.idle:  # idle workers end
-                waiter = qr.idle.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
             while qr.buffer:
                 await self._return_unstarted(qr.buffer.popleft())
         return errors
@@ -367,8 +359,8 @@ class Runtime:
         qr.free_permits += 1  # a worker takes buffered work itself; the drop path kicks
         evidence = evidence or Evidence()
         execution = state.execution or Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_FAILED, ""))
-        terminal = step.terminal.value if step is not None and step.terminal else Terminal.UNRESOLVED.value
-        if terminal == Terminal.UNRESOLVED.value:
+        terminal = step.terminal.value if step is not None and step.terminal else _UNRESOLVED
+        if terminal == _UNRESOLVED:
             qr.counters.unresolved += 1
         qr.counters.outcomes[terminal] += 1
         if self.shutting_down:
@@ -387,7 +379,7 @@ class Runtime:
             state.envelope.event_id if state.envelope else None,
             terminal,
             (step.code if step is not None else None) or execution.result.code,
-            truncate_utf8(reason, BOUNDS.failure_reason_bytes),
+            truncate_utf8(reason, _REASON_BYTES),
             evidence.handoff is HandoffState.CONFIRMED,
             evidence.settled_with is StepKind.ACK and evidence.settle is SettleState.SENT,
             evidence.settled_with is StepKind.REJECT,
@@ -436,15 +428,15 @@ class Runtime:
                 f"{envelope.content_kind!r}"
             )
             return PipelineResult(Outcome.PERMANENT, target, reason), envelope
-        delivery = RawDelivery(
-            queue=options.name,
-            headers=MappingProxyType(message.headers or {}),  # read-only: handoff copies use these
-            body=message.body,
-            content_type=message.content_type,
-            redelivered=bool(message.redelivered),
-            envelope=envelope,
-            routing_key=message.routing_key or "",
-            exchange=message.exchange or "",
+        delivery = new_raw_delivery(
+            options.name,
+            MappingProxyType(message.headers or {}),  # read-only: handoff copies use these
+            message.body,
+            message.content_type,
+            bool(message.redelivered),
+            envelope,
+            message.routing_key or "",
+            message.exchange or "",
         )
         terminal = target.terminal
         payload: Any = NOT_DECODED
@@ -462,17 +454,21 @@ class Runtime:
         """Run the execution in this task; at the cutoff cancel it, then after the cooperation
         window drop it (settle from another task) if it ignores the cancellation."""
         options = state.qr.options
-        task = asyncio.current_task()
-        assert task is not None
         # The deadline sweeper cancels this task once deadline_at has passed.
         state.deadline_at = asyncio.get_running_loop().time() + options.deadline
         state.executing = True
         try:
-            return await self._execute(state.qr, prepared)
+            route = prepared.route
+            if route.guarantee == "inbox":
+                assert self.inbox is not None
+                return await self.inbox.execute(self, state.qr, route, prepared.delivery, prepared.payload)
+            result = await self.run_attempt(state.qr, route, prepared.delivery, attempt=1, payload=prepared.payload)
+            return Execution(result, attempts=1)
         except asyncio.CancelledError:
             if self.revoked or not (state.deadline_hit or self.forcing):
                 raise
-            if task.uncancel() > 0:
+            task = asyncio.current_task()
+            if task is None or task.uncancel() > 0:
                 raise  # cancelled by someone else as well
             if state.deadline_hit:
                 reason = f"handler exceeded the delivery deadline of {options.deadline:g} s"
@@ -534,14 +530,6 @@ class Runtime:
             self._finish(state, step, evidence)
             self._kick(state.qr)
 
-    async def _execute(self, qr: QueueRuntime, prepared: _Prepared) -> Execution:
-        route = prepared.route
-        if route.guarantee == "inbox":
-            assert self.inbox is not None
-            return await self.inbox.execute(self, qr, prepared.route, prepared.delivery, prepared.payload)
-        result = await self.run_attempt(qr, route, prepared.delivery, attempt=1, scope=None, payload=prepared.payload)
-        return Execution(result, attempts=1)
-
     async def run_attempt(
         self,
         qr: QueueRuntime,
@@ -549,7 +537,7 @@ class Runtime:
         delivery: RawDelivery,
         *,
         attempt: int,
-        scope: MongoScope | None,
+        scope: MongoScope | None = None,
         payload: Any = NOT_DECODED,
     ) -> PipelineResult:
         """One fresh middleware/guards/handler invocation; exceptions become a verdict.
@@ -628,9 +616,16 @@ class Runtime:
             broker = delivery_count if type(delivery_count) is int else 0
             budget = dataclasses.replace(budget, deferrals=max(execution.deferrals, local, broker))
         while True:
-            if not self._authority(message):
+            # Once a settlement was written (or failed), decide() ends on that alone.
+            if evidence.settle is SettleState.NONE and not self._authority(message):
                 evidence = _evidence(evidence.handoff, evidence.settle, False, evidence.settled_with)
-            step = decide(result, budget, evidence)
+            # The common path's two steps are decide()'s own answers, computed once at import.
+            if result is _SUCCESS and evidence is _FRESH_EVIDENCE:
+                step = _SUCCESS_FIRST_STEP
+            elif result is _SUCCESS and evidence is _ACKED_EVIDENCE:
+                step = _SUCCESS_LAST_STEP
+            else:
+                step = decide(result, budget, evidence)
             if step.kind in (StepKind.DONE, StepKind.UNRESOLVED):
                 return step, evidence
             if step.kind in (StepKind.PUBLISH_RETRY, StepKind.PUBLISH_DLQ):
@@ -730,14 +725,12 @@ _FRESH_EVIDENCE = _evidence(HandoffState.NONE, SettleState.NONE, True, None)
 _ACKED_EVIDENCE = _evidence(HandoffState.NONE, SettleState.SENT, True, StepKind.ACK)
 _SUCCESS_BUDGET = Budget()
 _SUCCESS = PipelineResult(Outcome.SUCCESS)
+_UNRESOLVED = Terminal.UNRESOLVED.value
+_REASON_BYTES = BOUNDS.failure_reason_bytes
+_SUCCESS_FIRST_STEP = decide(_SUCCESS, _SUCCESS_BUDGET, _FRESH_EVIDENCE)  # ACK
+_SUCCESS_LAST_STEP = decide(_SUCCESS, _SUCCESS_BUDGET, _ACKED_EVIDENCE)  # DONE: acked
 
 
-_WORKER_IDLE = 30.0  # seconds an idle worker waits for work before it ends
-
-
-def _expire_waiter(waiter: asyncio.Future[Any]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 def _bump(counts: collections.OrderedDict[bytes, int], key: bytes) -> int:
