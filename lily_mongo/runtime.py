@@ -731,8 +731,6 @@ _SUCCESS_FIRST_STEP = decide(_SUCCESS, _SUCCESS_BUDGET, _FRESH_EVIDENCE)  # ACK
 _SUCCESS_LAST_STEP = decide(_SUCCESS, _SUCCESS_BUDGET, _ACKED_EVIDENCE)  # DONE: acked
 
 
-
-
 def _bump(counts: collections.OrderedDict[bytes, int], key: bytes) -> int:
     """Increment a bounded per-delivery counter (least recently used entries are forgotten)."""
     counts[key] = counts.get(key, 0) + 1
