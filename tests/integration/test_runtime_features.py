@@ -383,6 +383,33 @@ async def test_concurrency_bounds_running_handlers(
     assert await queue_depth(amqp_channel, q) == 0
 
 
+async def test_handlers_run_in_worker_tasks_that_end_when_the_queue_is_idle(amqp: str, names: BrokerNames) -> None:
+    """Each handler runs in a task of the consumer's own (not the AMQP library's callback task), and
+    workers do not linger once there is no work: only the consumer's long-lived tasks remain."""
+    q = names.queue("workers")
+    seen: list[str] = []
+
+    @queue(q, version=1)
+    async def handle(event_id: EventId) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        seen.append(task.get_name())
+        await asyncio.sleep(0.01)
+
+    consumer = Consumer(amqp_url=amqp, name="workers")
+    consumer.configure_queue(q, concurrency=4, prefetch=8)
+    consumer.include(handle)
+    async with running(consumer) as managed, Publisher(amqp) as publisher:
+        idle = new_tasks(set())
+        for _ in range(12):
+            await publisher.publish_json(q, {}, version=1)
+        await eventually(lambda: outcomes(managed) == ["acked"] * 12, what="all twelve acked")
+        assert seen == ["lily-worker"] * 12
+        await eventually(
+            lambda: not any(t.get_name() == "lily-worker" for t in new_tasks(idle)), what="the workers to end"
+        )
+
+
 # -- topology -------------------------------------------------------------------------------------
 
 

@@ -17,8 +17,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lily_mongo.bounds import BOUNDS
 from lily_mongo import envelope as envelope_module
+from lily_mongo.bounds import BOUNDS
 from lily_mongo.envelope import Envelope, EnvelopeError, validate_envelope
 
 INVALID = "QUEUE_ENVELOPE_INVALID"

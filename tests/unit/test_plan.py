@@ -30,7 +30,7 @@ from lily_mongo import (
     Text,
 )
 from lily_mongo.envelope import Envelope
-from lily_mongo.extractors import PayloadDecodeError
+from lily_mongo.extractors import PayloadDecodeError, new_raw_delivery
 from lily_mongo.inbox import MongoScope
 from lily_mongo.plan import HandlerRoute, Plan, PlanBuilder, QueueOptions, RetryPolicy, dispatch, queue
 from lily_mongo.topology import topology_names
@@ -166,6 +166,23 @@ def delivery(body: bytes, *, content_kind: str = "json") -> RawDelivery:
         routing_key="q",
         exchange="",
     )
+
+
+def test_the_per_delivery_constructor_builds_the_same_raw_delivery() -> None:
+    built = delivery(b'{"n": 1}')
+    fast = new_raw_delivery(
+        built.queue,
+        built.headers,
+        built.body,
+        built.content_type,
+        built.redelivered,
+        built.envelope,
+        built.routing_key,
+        built.exchange,
+    )
+    assert fast == built and type(fast) is RawDelivery and hash(fast.envelope) == hash(built.envelope)
+    with pytest.raises(AttributeError):
+        fast.body = b"changed"  # type: ignore[misc]
 
 
 def terminal_extractor(handler: Handler) -> Extractor:
