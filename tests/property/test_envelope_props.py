@@ -550,7 +550,8 @@ def test_fast_path_agrees_with_the_full_checks(
     if isinstance(full, Envelope):
         assert fast == full
         assert isinstance(fast, Envelope)
-        assert type(fast.event_id) is uuid.UUID and str(fast.event_id) == str(full.event_id)
+        assert type(fast.event_id) is uuid.UUID
+        assert str(fast.event_id) == str(full.event_id)
     else:
         assert isinstance(fast, EnvelopeError)
         assert (fast.code, fast.reason) == (full.code, full.reason)
@@ -569,5 +570,8 @@ def test_fast_path_is_taken_for_a_typical_delivery() -> None:
 @given(event_id=canonical_uuids)
 def test_fast_uuid_construction_equals_uuid_parsing(event_id: uuid.UUID) -> None:
     parsed = envelope_module._parse_canonical_uuid(str(event_id))
-    assert parsed == event_id and hash(parsed) == hash(event_id) and str(parsed) == str(event_id)
-    assert parsed.version == event_id.version and parsed.is_safe is uuid.SafeUUID.unknown
+    assert parsed == event_id
+    assert hash(parsed) == hash(event_id)
+    assert str(parsed) == str(event_id)
+    assert parsed.version == event_id.version
+    assert parsed.is_safe is uuid.SafeUUID.unknown

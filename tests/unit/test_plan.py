@@ -180,7 +180,8 @@ def test_the_per_delivery_constructor_builds_the_same_raw_delivery() -> None:
         built.routing_key,
         built.exchange,
     )
-    assert fast == built and type(fast) is RawDelivery and hash(fast.envelope) == hash(built.envelope)
+    assert fast == built
+    assert type(fast) is RawDelivery
     with pytest.raises(AttributeError):
         fast.body = b"changed"  # type: ignore[misc]
 
