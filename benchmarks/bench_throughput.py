@@ -1,24 +1,31 @@
 """Consume throughput: a lily_mongo at_least_once Consumer against raw aio-pika, same broker, same prefetch.
 
-Run: ``python benchmarks/bench_throughput.py [--messages 5000] [--runs 5] [--prefetch 64] [--concurrency 32]``
+Run: ``python benchmarks/bench_throughput.py [--messages 5000] [--runs 7] [--prefetch 64] [--concurrency 32]``
 (``LILY_AMQP_URL`` selects the broker; default the local RabbitMQ as guest).
 
 Before every timed run the queue is filled with ``--messages`` small JSON
 messages published with confirms (transient, canonical Lily headers), so only
-consumption is timed. A run is timed from the start of consuming (connecting
-included, for both sides) until the last message is ACKed:
+consumption is timed:
 
 * raw: aio-pika robust connection, ``basic.qos(prefetch)``, a consumer callback
   that ACKs each message;
 * lily: ``Consumer(...).start()`` with a no-op handler taking ``Json[Item]``
-  (envelope validation, dispatch, orjson + pydantic decode, settlement), the
-  queue's effective prefetch equal to the raw one.
+  (envelope validation, dispatch, orjson + pydantic decode, settlement,
+  observation), the queue's effective prefetch equal to the raw one.
 
-Runs alternate (raw, lily, raw, lily, ...). Each run is timed twice: from the
-start (connecting, and for lily declaring the topology and the inbox-free plan)
-and from the first delivery, both until the last ACK. The script prints the
-medians of both, the ratio including start-up, and the throughput ratio
-lily/raw from the first delivery (target >= 0.8), then deletes its queues.
+Each round runs both consumers back to back, in alternating order (raw first
+in odd rounds, lily first in even ones). A run is timed from the start
+(connecting; for lily also declaring the plan's consumers) and from the first
+delivery, until the last ACK: the raw callback counts its ACKs; lily's
+handler signals the last message and the run ends when the consumer's
+snapshot counts that many ACKed outcomes (the ACK is written before the
+outcome is counted). The process CPU time per message is measured for both.
+
+The script prints every run, the medians, and the throughput ratio lily/raw
+from the first delivery as the median of the per-round ratios (target >= 0.8):
+pairing runs that ran seconds apart cancels most of the drift of a shared,
+noisy machine. The CPU-per-message ratio is printed as a steadier second view.
+It deletes its queues at the end.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import statistics
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import aio_pika
@@ -79,11 +87,21 @@ async def ready(channel: aio_pika.abc.AbstractChannel, name: str) -> int:
     return int(declared.declaration_result.message_count or 0)
 
 
-async def run_raw(url: str, name: str, count: int, prefetch: int) -> tuple[float, float]:
-    """Seconds from connecting, and from the first delivery, to the last ACK (plain aio-pika consumer)."""
+@dataclass
+class Run:
+    """One timed run: seconds from start and from the first delivery to the last ACK, CPU seconds."""
+
+    total: float
+    flowing: float
+    cpu: float
+
+
+async def run_raw(url: str, name: str, count: int, prefetch: int) -> Run:
+    """A plain aio-pika consumer that ACKs every message."""
     done = asyncio.Event()
     acked = 0
     first = 0.0
+    cpu = time.process_time()
     started = time.perf_counter()
     connection = await aio_pika.connect_robust(url)
     try:
@@ -103,15 +121,17 @@ async def run_raw(url: str, name: str, count: int, prefetch: int) -> tuple[float
         await declared.consume(on_message, no_ack=False)
         await asyncio.wait_for(done.wait(), timeout=120)
         ended = time.perf_counter()
+        cpu = time.process_time() - cpu
     finally:
         await connection.close()
-    return ended - started, ended - first
+    return Run(ended - started, ended - first, cpu)
 
 
-async def run_lily(url: str, name: str, count: int, concurrency: int, prefetch: int) -> tuple[float, float]:
-    """Seconds from ``Consumer.start()``, and from the first delivery, to the last ACK (no-op handler)."""
+async def run_lily(url: str, name: str, count: int, concurrency: int, prefetch: int) -> Run:
+    """A lily_mongo at_least_once consumer with a no-op ``Json[Item]`` handler."""
     handled = 0
     first = 0.0
+    last = asyncio.Event()
 
     @queue(name, version=1, content="json")
     async def handle(item: Json[Item]) -> None:
@@ -119,29 +139,35 @@ async def run_lily(url: str, name: str, count: int, concurrency: int, prefetch: 
         if not first:
             first = time.perf_counter()
         handled += 1
+        if handled == count:
+            last.set()
 
     consumer = Consumer(amqp_url=url, name="bench")
     consumer.configure_queue(
         name, concurrency=concurrency, prefetch=prefetch, retry=RetryPolicy(max_retries=0, delays=())
     )
     consumer.include(handle)
+    cpu = time.process_time()
     started = time.perf_counter()
     managed = await consumer.start()
     try:
-        deadline = started + 120
-        while True:
-            # The ACK is written before the outcome is counted: "acked" == count means the last ACK is out.
-            if managed.snapshot().queues[0].outcomes.get("acked", 0) >= count:
-                break
+        try:
+            await asyncio.wait_for(last.wait(), timeout=120)
+        except TimeoutError:
+            raise SystemExit(f"lily consumer handled {handled} of {count} within 120 s") from None
+        # The last handler returned; its ACK follows within a few turns of the event loop.
+        deadline = time.perf_counter() + 10
+        while managed.snapshot().queues[0].outcomes.get("acked", 0) < count:
             if time.perf_counter() > deadline:
-                raise SystemExit(f"lily consumer handled {handled} of {count} within 120 s")
-            await asyncio.sleep(0.001)
+                raise SystemExit(f"lily consumer ACKed {managed.snapshot().queues[0].outcomes} of {count}")
+            await asyncio.sleep(0)
         ended = time.perf_counter()
+        cpu = time.process_time() - cpu
     finally:
         report = await managed.shutdown()
     if not report.succeeded or handled != count:
         raise SystemExit(f"lily run did not end cleanly (handled {handled}):\n{report.render()}")
-    return ended - started, ended - first
+    return Run(ended - started, ended - first, cpu)
 
 
 async def bench(args: argparse.Namespace) -> int:
@@ -157,34 +183,41 @@ async def bench(args: argparse.Namespace) -> int:
         channel = await connection.channel(publisher_confirms=True)
         print(
             f"python {platform.python_version()} on {platform.machine()}; {args.messages} messages per run, "
-            f"{args.runs} runs each (alternating); prefetch {prefetch}, lily concurrency {args.concurrency}"
+            f"{args.runs} rounds (order alternating); prefetch {prefetch}, lily concurrency {args.concurrency}"
         )
-        rates: dict[str, list[float]] = {"raw": [], "lily": []}
-        steady: dict[str, list[float]] = {"raw": [], "lily": []}
-        for run in range(1, args.runs + 1):
-            for kind in ("raw", "lily"):
+        runs: dict[str, list[Run]] = {"raw": [], "lily": []}
+        ratios: list[float] = []
+        for round_ in range(1, args.runs + 1):
+            for kind in ("raw", "lily") if round_ % 2 else ("lily", "raw"):
                 await fill(channel, name, args.messages)
                 if kind == "raw":
-                    seconds, flowing = await run_raw(url, name, args.messages, prefetch)
+                    run = await run_raw(url, name, args.messages, prefetch)
                 else:
-                    seconds, flowing = await run_lily(url, name, args.messages, args.concurrency, args.prefetch)
+                    run = await run_lily(url, name, args.messages, args.concurrency, args.prefetch)
                 left = await ready(channel, name)
                 if left:
                     raise SystemExit(f"{left} messages left in the queue after a {kind} run")
-                rates[kind].append(args.messages / seconds)
-                steady[kind].append(args.messages / flowing)
+                runs[kind].append(run)
                 print(
-                    f"run {run} {kind:<4}: {seconds:7.3f} s  {args.messages / seconds:9.0f} msgs/s incl. start-up; "
-                    f"{flowing:7.3f} s  {args.messages / flowing:9.0f} msgs/s from the first delivery"
+                    f"round {round_} {kind:<4}: {args.messages / run.total:7.0f} msgs/s incl. start-up; "
+                    f"{args.messages / run.flowing:7.0f} msgs/s from the first delivery; "
+                    f"CPU {run.cpu / args.messages * 1e6:6.1f} us/msg"
                 )
-        raw, lily = statistics.median(steady["raw"]), statistics.median(steady["lily"])
-        raw_all, lily_all = statistics.median(rates["raw"]), statistics.median(rates["lily"])
-        print(f"raw aio-pika consume+ack median: {raw:9.0f} msgs/s ({raw_all:.0f} incl. start-up)")
-        print(f"lily_mongo at_least_once median: {lily:9.0f} msgs/s ({lily_all:.0f} incl. start-up)")
-        print(f"ratio incl. start-up (connect, topology, consume): {lily_all / raw_all:.2f}")
-        ratio = lily / raw
+            ratios.append(runs["raw"][-1].flowing / runs["lily"][-1].flowing)
+        for kind, label in (("raw", "raw aio-pika consume+ack"), ("lily", "lily_mongo at_least_once")):
+            flowing = statistics.median(args.messages / r.flowing for r in runs[kind])
+            total = statistics.median(args.messages / r.total for r in runs[kind])
+            cpu = statistics.median(r.cpu / args.messages * 1e6 for r in runs[kind])
+            print(f"{label}: median {flowing:7.0f} msgs/s ({total:.0f} incl. start-up), CPU {cpu:.1f} us/msg")
+        cpu_ratio = statistics.median(r.cpu for r in runs["raw"]) / statistics.median(r.cpu for r in runs["lily"])
+        print(f"CPU per message, raw/lily: {cpu_ratio:.2f}")
+        print(f"per-round ratios lily/raw: {' '.join(f'{r:.2f}' for r in ratios)}")
+        ratio = statistics.median(ratios)
         verdict = "meets" if ratio >= TARGET_RATIO else "BELOW"
-        print(f"ratio lily/raw from the first delivery: {ratio:.2f} ({verdict} the target of >= {TARGET_RATIO:g})")
+        print(
+            f"throughput ratio lily/raw from the first delivery, median of rounds: {ratio:.2f} "
+            f"({verdict} the target of >= {TARGET_RATIO:g})"
+        )
     finally:
         cleanup = await connection.channel()
         for queue_name in topology_names(options):
@@ -196,7 +229,7 @@ async def bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--messages", type=int, default=5000, help="messages per run (default 5000)")
-    parser.add_argument("--runs", type=int, default=5, help="timed runs of each consumer (default 5)")
+    parser.add_argument("--runs", type=int, default=7, help="rounds of one run of each consumer (default 7)")
     parser.add_argument("--prefetch", type=int, default=64, help="prefetch for both consumers (default 64)")
     parser.add_argument("--concurrency", type=int, default=32, help="lily handler concurrency (default 32)")
     args = parser.parse_args(argv)
