@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import aio_pika
 import aio_pika.abc
-import aiormq.exceptions
+import aiormq.abc
 
-from ._amqp import republish
+from ._amqp import InboundMessage, republish
 from ._text import sanitize, truncate_utf8
 from .bounds import BOUNDS
 from .envelope import RETRY_COUNT_HEADER, Envelope, sanitize_headers, validate_envelope
@@ -141,7 +141,7 @@ class _Delivery:
     """The mutable record of one admitted delivery, shared by its task and the deadline timers."""
 
     qr: QueueRuntime
-    message: aio_pika.abc.AbstractIncomingMessage
+    message: InboundMessage
     received_at: float = dataclasses.field(default_factory=time.time)
     started: float = dataclasses.field(default_factory=time.monotonic)
     envelope: Envelope | None = None
@@ -169,7 +169,7 @@ class QueueRuntime:
         self.index = index
         self.options = options
         self.free_permits = options.concurrency
-        self.buffer: collections.deque[aio_pika.abc.AbstractIncomingMessage] = collections.deque()
+        self.buffer: collections.deque[InboundMessage] = collections.deque()
         self.channel: aio_pika.abc.AbstractChannel | None = None
         self.queue: aio_pika.abc.AbstractQueue | None = None
         self.consumer_tag: str | None = None
@@ -236,15 +236,34 @@ class Runtime:
             await channel.set_qos(prefetch_count=qr.options.effective_prefetch)
             qr.channel = channel
             qr.queue = await channel.declare_queue(qr.options.name, passive=True)
-            qr.consumer_tag = await qr.queue.consume(self._callback(qr), no_ack=False)
+            await self._consume(qr)
+            if isinstance(channel, aio_pika.abc.AbstractRobustChannel):
+                channel.reopen_callbacks.add(functools.partial(self._on_channel_reopened, qr))
+
+    async def _consume(self, qr: QueueRuntime) -> None:
+        """Consume ``qr``'s queue on its channel's current transport, straight through aiormq."""
+        assert qr.channel is not None
+        underlay = await qr.channel.get_underlay_channel()
+        consuming = await underlay.basic_consume(qr.options.name, self._callback(qr), no_ack=False)
+        qr.consumer_tag = consuming.consumer_tag
+
+    async def _on_channel_reopened(self, qr: QueueRuntime, _channel: object) -> None:
+        """A robust channel came back (reconnect or channel error; QoS and the queue restored): consume again."""
+        if not self.accepting:
+            return
+        try:
+            await self._consume(qr)
+        except Exception as exc:
+            log.warning("consuming %s again after a reconnect failed: %s", qr.options.name, type(exc).__name__)
 
     def on_reconnect(self) -> None:
         """A new transport generation: old deliveries have lost settlement authority."""
         self.generation += 1
 
-    def _callback(self, qr: QueueRuntime) -> Callable[[aio_pika.abc.AbstractIncomingMessage], Awaitable[None]]:
-        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    def _callback(self, qr: QueueRuntime) -> Callable[[aiormq.abc.DeliveredMessage], Coroutine[Any, Any, None]]:
+        async def on_message(delivered: aiormq.abc.DeliveredMessage) -> None:
             qr.counters.received += 1
+            message = InboundMessage(delivered)
             if not self.accepting:
                 # Intake stopped: give it back at once (it was never started).
                 await self._return_unstarted(message)
@@ -257,14 +276,14 @@ class Runtime:
 
         return on_message
 
-    async def _return_unstarted(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    async def _return_unstarted(self, message: InboundMessage) -> None:
         if _channel_alive(message):
             try:
                 await message.nack(requeue=True)
             except Exception:  # the channel died meanwhile: the broker requeues it anyway
                 log.debug("returning an unstarted delivery failed", exc_info=True)
 
-    def _admit(self, qr: QueueRuntime, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    def _admit(self, qr: QueueRuntime, message: InboundMessage) -> None:
         """Start a delivery on a permit the caller has taken, in a worker of its own.
 
         The worker starts eagerly: it runs in the caller's turn of the event loop up to its
@@ -317,9 +336,10 @@ class Runtime:
         errors: list[BaseException] = []
         self.accepting = False
         for qr in self.queues.values():
-            if qr.queue is not None and qr.consumer_tag is not None and qr.channel and not qr.channel.is_closed:
+            if qr.consumer_tag is not None and qr.channel and not qr.channel.is_closed:
                 try:
-                    await qr.queue.cancel(qr.consumer_tag)
+                    underlay = await qr.channel.get_underlay_channel()
+                    await underlay.basic_cancel(qr.consumer_tag)
                 except Exception as exc:
                     errors.append(exc)
         for qr in self.queues.values():
@@ -410,7 +430,7 @@ class Runtime:
         return count
 
     def _prepare(
-        self, qr: QueueRuntime, message: aio_pika.abc.AbstractIncomingMessage
+        self, qr: QueueRuntime, message: InboundMessage
     ) -> _Prepared | tuple[PipelineResult, Envelope | None]:
         """Envelope, dispatch and payload decode: all before any scope or middleware opens."""
         options = qr.options
@@ -578,13 +598,13 @@ class Runtime:
 
     # -- settlement ---------------------------------------------------------------------
 
-    def _authority(self, message: aio_pika.abc.AbstractIncomingMessage) -> bool:
+    def _authority(self, message: InboundMessage) -> bool:
         return not self.revoked and _channel_alive(message)
 
     async def _settle(
         self,
         qr: QueueRuntime,
-        message: aio_pika.abc.AbstractIncomingMessage,
+        message: InboundMessage,
         envelope: Envelope | None,
         execution: Execution,
     ) -> tuple[Step, Evidence]:
@@ -662,7 +682,7 @@ class Runtime:
         return float(min(delay, qr.options.cooperation_window))
 
     async def _write_settlement(
-        self, message: aio_pika.abc.AbstractIncomingMessage, kind: StepKind, evidence: Evidence
+        self, message: InboundMessage, kind: StepKind, evidence: Evidence
     ) -> Evidence:
         try:
             if kind is StepKind.ACK:
@@ -681,7 +701,7 @@ class Runtime:
     async def _handoff(
         self,
         qr: QueueRuntime,
-        message: aio_pika.abc.AbstractIncomingMessage,
+        message: InboundMessage,
         envelope: Envelope | None,
         step: Step,
         budget: Budget,
@@ -740,15 +760,12 @@ def _bump(counts: collections.OrderedDict[bytes, int], key: bytes) -> int:
     return counts[key]
 
 
-def _channel_alive(message: aio_pika.abc.AbstractIncomingMessage) -> bool:
-    """True while the delivery's own channel is open (aio-pika raises once it is closed)."""
-    try:
-        return not message.channel.is_closed
-    except (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError):
-        return False
+def _channel_alive(message: InboundMessage) -> bool:
+    """True while the delivery's own channel (its transport generation) is open."""
+    return not message.channel.is_closed
 
 
-def _failure_key(message: aio_pika.abc.AbstractIncomingMessage, envelope: Envelope | None) -> bytes:
+def _failure_key(message: InboundMessage, envelope: Envelope | None) -> bytes:
     """Identity of a delivery across redeliveries, for the handoff-failure counter."""
     if envelope is not None:
         return envelope.event_id.bytes
