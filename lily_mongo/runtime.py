@@ -429,9 +429,7 @@ class Runtime:
                 count += 1
         return count
 
-    def _prepare(
-        self, qr: QueueRuntime, message: InboundMessage
-    ) -> _Prepared | tuple[PipelineResult, Envelope | None]:
+    def _prepare(self, qr: QueueRuntime, message: InboundMessage) -> _Prepared | tuple[PipelineResult, Envelope | None]:
         """Envelope, dispatch and payload decode: all before any scope or middleware opens."""
         options = qr.options
         try:
@@ -681,9 +679,7 @@ class Runtime:
             delay = min(delay, max(execution.backoff_limit, 0.0))
         return float(min(delay, qr.options.cooperation_window))
 
-    async def _write_settlement(
-        self, message: InboundMessage, kind: StepKind, evidence: Evidence
-    ) -> Evidence:
+    async def _write_settlement(self, message: InboundMessage, kind: StepKind, evidence: Evidence) -> Evidence:
         try:
             if kind is StepKind.ACK:
                 await message.ack()
