@@ -246,6 +246,16 @@ class Runtime:
         underlay = await qr.channel.get_underlay_channel()
         consuming = await underlay.basic_consume(qr.options.name, self._callback(qr), no_ack=False)
         qr.consumer_tag = consuming.consumer_tag
+        underlay.on_consumer_cancel_callbacks.add(functools.partial(self._on_broker_cancel, qr))
+
+    def _on_broker_cancel(self, qr: QueueRuntime, frame: Any) -> None:
+        """The broker ended the consumer (the queue was deleted, for one): say so loudly."""
+        if getattr(frame, "consumer_tag", None) == qr.consumer_tag and self.accepting:
+            log.error(
+                "the broker cancelled consuming from queue %s (deleted?); it receives nothing until the consumer "
+                "is restarted",
+                qr.options.name,
+            )
 
     async def _on_channel_reopened(self, qr: QueueRuntime, _channel: object) -> None:
         """A robust channel came back (reconnect or channel error; QoS and the queue restored): consume again."""

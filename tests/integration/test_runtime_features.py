@@ -410,6 +410,29 @@ async def test_handlers_run_in_worker_tasks_that_end_when_the_queue_is_idle(amqp
         )
 
 
+async def test_a_deleted_queue_is_reported_loudly(
+    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker cancels the consumer of a deleted queue; the consumer says which queue went quiet."""
+    q = names.queue("deleted")
+    consumer = Consumer(amqp_url=amqp, name="deleted")
+    consumer.configure_queue(q, concurrency=1)
+
+    @queue(q, version=1)
+    async def handle(event_id: EventId) -> None:
+        return None
+
+    consumer.include(handle)
+    async with running(consumer):
+        await amqp_channel.queue_delete(q)
+        await eventually(
+            lambda: any(
+                r.name == "lily_mongo" and r.levelname == "ERROR" and q in r.getMessage() for r in caplog.records
+            ),
+            what="the report of the cancelled consumer",
+        )
+
+
 # -- topology -------------------------------------------------------------------------------------
 
 
