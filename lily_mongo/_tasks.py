@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-__all__ = ["uncancellable"]
+__all__ = ["raise_if_cancel_requested", "uncancellable"]
 
 
 async def uncancellable[T](awaitable: Awaitable[T]) -> T:
@@ -25,3 +25,15 @@ async def uncancellable[T](awaitable: Awaitable[T]) -> T:
             if current is not None:
                 current.cancel()
         return result
+
+
+def raise_if_cancel_requested() -> None:
+    """Raise ``CancelledError`` when the current task has a cancellation request pending.
+
+    A library that catches ``CancelledError`` without ``Task.uncancel()`` leaves the
+    request counted (``Task.cancelling()``) but lets the task run on; a multi-step
+    operation checks this between steps so a cancelled start stops there.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

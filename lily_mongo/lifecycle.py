@@ -32,6 +32,7 @@ import aio_pika.abc
 from pymongo.errors import PyMongoError
 
 from ._connect import connect_amqp, redact_url
+from ._tasks import raise_if_cancel_requested
 from ._tasks import uncancellable as _uncancellable
 from .errors import ConfigError, LilyError, TransportError
 from .observe import Snapshot, TerminalObservation
@@ -273,7 +274,7 @@ class ManagedConsumer:
         consumer = self._consumer
         self._connection = await connect_amqp(consumer._amqp_url)
         for options in self.plan.queues.values():
-            await declare_topology(self._connection, options)
+            await declare_topology(self._connection, options)  # checks for a cancel between declarations
         if consumer._mongo_client is not None:
             from .inbox import Inbox, InboxOptions
 
@@ -299,6 +300,7 @@ class ManagedConsumer:
         await self._runtime.start()
         if self._inbox is not None:
             await self._inbox.start_relay(self._connection, consumer._confirm_timeout)
+        raise_if_cancel_requested()  # a cancel the AMQP library absorbed on the way still stops the start
         self._state = State.RUNNING
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="lily-supervisor")
 

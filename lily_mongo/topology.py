@@ -14,6 +14,7 @@ from typing import Any
 import aio_pika.abc
 import aiormq.exceptions
 
+from ._tasks import raise_if_cancel_requested
 from .errors import ConfigError, TransportError
 from .plan import QueueOptions
 
@@ -80,3 +81,4 @@ async def declare_topology(connection: aio_pika.abc.AbstractConnection, options:
         finally:
             if not channel.is_closed:
                 await channel.close()
+        raise_if_cancel_requested()
