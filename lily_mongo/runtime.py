@@ -217,6 +217,7 @@ class Runtime:
         self.observations = ObservationLog()
         self.handoff_channel: aio_pika.abc.AbstractChannel | None = None
         self.generation = 1
+        self._transport: object | None = None  # the connection's transport the generation counts
         self.accepting = False
         self.revoked = False
         self.forcing = False
@@ -228,6 +229,7 @@ class Runtime:
 
     async def start(self) -> None:
         """Open the handoff channel and one consuming channel per queue; start intake."""
+        self._transport = getattr(self.connection, "transport", None)
         self.handoff_channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
         self.accepting = True
         self.tasks.spawn(self._sweep_deadlines(), name="lily-deadlines")
@@ -259,6 +261,10 @@ class Runtime:
 
     async def _on_channel_reopened(self, qr: QueueRuntime, _channel: object) -> None:
         """A robust channel came back (reconnect or channel error; QoS and the queue restored): consume again."""
+        # Count a new connection transport before consuming on it: the connection's reconnect
+        # callbacks run only after every channel is restored, and a delivery of the new
+        # generation must not be seen while the snapshot still shows the old one.
+        self._count_transport()
         if not self.accepting:
             return
         try:
@@ -267,8 +273,15 @@ class Runtime:
             log.warning("consuming %s again after a reconnect failed: %s", qr.options.name, type(exc).__name__)
 
     def on_reconnect(self) -> None:
-        """A new transport generation: old deliveries have lost settlement authority."""
-        self.generation += 1
+        """The connection reconnected: a new transport generation (old deliveries have lost
+        settlement authority). Counted once per transport, whichever callback sees it first."""
+        self._count_transport()
+
+    def _count_transport(self) -> None:
+        transport = getattr(self.connection, "transport", None)
+        if transport is not None and transport is not self._transport:
+            self._transport = transport
+            self.generation += 1
 
     def _callback(self, qr: QueueRuntime) -> Callable[[aiormq.abc.DeliveredMessage], Coroutine[Any, Any, None]]:
         async def on_message(delivered: aiormq.abc.DeliveredMessage) -> None:
