@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -133,6 +132,36 @@ class Gate:
             self.cancelled += 1
             raise
         self.finished += 1
+
+
+class Stubborn:
+    """A handler body that ignores cancellation, counting the cancels it swallows, until the test
+    gives up on it (and at most 8 s, so a test cannot hang on it)."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.done = asyncio.Event()
+        self.give_up = asyncio.Event()
+        self.cancels = 0
+
+    async def run(self) -> None:
+        self.entered.set()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 8.0
+        try:
+            while not self.give_up.is_set() and loop.time() < until:
+                try:
+                    await asyncio.sleep(0.05)
+                except asyncio.CancelledError:
+                    self.cancels += 1
+        finally:
+            self.done.set()
+
+    async def end(self) -> None:
+        """Let it return, and wait until it has."""
+        self.give_up.set()
+        async with asyncio.timeout(10):
+            await self.done.wait()
 
 
 # -- cancellation rules -------------------------------------------------------------------------
@@ -437,38 +466,24 @@ async def test_forced_shutdown_reports_a_stubborn_delivery_unresolved_and_the_br
     graceful, force = 0.5, 0.5
     consumer = Consumer(amqp_url=amqp, name="t", graceful_timeout=graceful, force_timeout=force)
     consumer.configure_queue(q, concurrency=1, prefetch=1, deadline=60.0)
-    entered = asyncio.Event()
-    stubborn_done = asyncio.Event()
-    give_up = asyncio.Event()
-    cancels = 0
+    stubborn = Stubborn()
 
     @queue(q, version=1)
-    async def stubborn(body: Body) -> None:
-        nonlocal cancels
-        entered.set()
-        loop = asyncio.get_running_loop()
-        until = loop.time() + 8.0  # bounded: the test cannot hang on it
-        try:
-            while not give_up.is_set() and loop.time() < until:
-                try:
-                    await asyncio.sleep(0.05)
-                except asyncio.CancelledError:
-                    cancels += 1  # deliberately ignores cancellation
-        finally:
-            stubborn_done.set()
+    async def stubborn_handler(body: Body) -> None:
+        await stubborn.run()
 
-    consumer.include(stubborn)
+    consumer.include(stubborn_handler)
     managed = await consumer.start()
     try:
         async with Publisher(amqp) as publisher:
             event_id = await publisher.publish_json(q, {"n": 1}, version=1)
         async with asyncio.timeout(10):
-            await entered.wait()
+            await stubborn.entered.wait()
         started = time.monotonic()
         report = await managed.shutdown()
         took = time.monotonic() - started
         assert graceful <= took <= graceful + 2 * force + 1.5
-        assert cancels >= 1  # the force notice reached the handler
+        assert stubborn.cancels >= 1  # the force notice reached the handler
         assert report.forced is True
         assert report.succeeded is False
         assert report.unresolved >= 1
@@ -482,9 +497,7 @@ async def test_forced_shutdown_reports_a_stubborn_delivery_unresolved_and_the_br
         # The connection is closed: the unacked delivery is back in the queue.
         assert await wait_for_depth(amqp_channel, q, 1) == 1
     finally:
-        give_up.set()
-        async with asyncio.timeout(10):
-            await stubborn_done.wait()
+        await stubborn.end()
 
     second = Consumer(amqp_url=amqp, name="t2")
     second.configure_queue(q, concurrency=1, prefetch=1)
@@ -614,21 +627,13 @@ async def test_delivery_deadline_drops_a_handler_that_ignores_cancellation(
         cooperation_window=0.2,
         retry=RetryPolicy(max_retries=2, delays=(30.0,)),
     )
-    give_up = asyncio.Event()
-    stubborn_done = asyncio.Event()
+    stubborn = Stubborn()
 
     @queue(q, version=1)
-    async def stubborn(body: Body) -> None:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + 8.0
-        try:
-            while not give_up.is_set() and loop.time() < until:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.sleep(0.05)
-        finally:
-            stubborn_done.set()
+    async def handler(body: Body) -> None:
+        await stubborn.run()
 
-    consumer.include(stubborn)
+    consumer.include(handler)
     managed = await consumer.start()
     try:
         async with Publisher(amqp) as publisher:
@@ -639,11 +644,9 @@ async def test_delivery_deadline_drops_a_handler_that_ignores_cancellation(
         assert 0.5 <= observation.duration < 2.0
         assert (observation.outcome, observation.code) == ("retried", "QUEUE_HANDLER_TIMEOUT")
         assert managed.snapshot().queues[0].abandoned == 1
-        assert not stubborn_done.is_set()  # dropped, not finished
+        assert not stubborn.done.is_set()  # dropped, not finished
     finally:
-        give_up.set()
-        async with asyncio.timeout(10):
-            await stubborn_done.wait()
+        await stubborn.end()
         await managed.shutdown()
     assert await queue_depth(amqp_channel, q) == 0
     assert await queue_depth(amqp_channel, f"{q}.retry.0") == 1
@@ -662,34 +665,24 @@ async def test_shutdown_report_does_not_claim_success_while_a_dropped_handler_st
         cooperation_window=0.1,
         retry=RetryPolicy(max_retries=1, delays=(30.0,)),
     )
-    give_up = asyncio.Event()
-    stubborn_done = asyncio.Event()
+    stubborn = Stubborn()
 
     @queue(q, version=1)
-    async def stubborn(body: Body) -> None:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + 8.0
-        try:
-            while not give_up.is_set() and loop.time() < until:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.sleep(0.05)
-        finally:
-            stubborn_done.set()
+    async def handler(body: Body) -> None:
+        await stubborn.run()
 
-    consumer.include(stubborn)
+    consumer.include(handler)
     managed = await consumer.start()
     try:
         async with Publisher(amqp) as publisher:
             event_id = await publisher.publish_json(q, {"n": 1}, version=1)
         await eventually(lambda: _outcomes(managed, event_id) == ["retried"], what="the deadline")
         report = await managed.shutdown()
-        assert not stubborn_done.is_set()  # the dropped handler outlived the shutdown
+        assert not stubborn.done.is_set()  # the dropped handler outlived the shutdown
         assert report.succeeded is False
         assert any(not action.observed for action in report.actions)
     finally:
-        give_up.set()
-        async with asyncio.timeout(10):
-            await stubborn_done.wait()
+        await stubborn.end()
 
 
 # -- transport loss -----------------------------------------------------------------------------
