@@ -471,7 +471,7 @@ class Runtime:
             return PipelineResult(Outcome.PERMANENT, target, reason), envelope
         delivery = new_raw_delivery(
             options.name,
-            MappingProxyType(message.headers or {}),  # read-only: handoff copies use these
+            MappingProxyType(message.headers),  # read-only: handoff copies use these
             message.body,
             message.content_type,
             bool(message.redelivered),
@@ -653,7 +653,7 @@ class Runtime:
             # lease (database unavailable, forced shutdown) are counted here, and a quorum
             # queue's x-delivery-count bounds them across processes too.
             local = _bump(qr.deferral_counts, key)
-            delivery_count = (message.headers or {}).get("x-delivery-count")
+            delivery_count = message.headers.get("x-delivery-count")
             broker = delivery_count if type(delivery_count) is int else 0
             budget = dataclasses.replace(budget, deferrals=max(execution.deferrals, local, broker))
         while True:
