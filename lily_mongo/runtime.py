@@ -474,10 +474,10 @@ class Runtime:
             MappingProxyType(message.headers),  # read-only: handoff copies use these
             message.body,
             message.content_type,
-            bool(message.redelivered),
+            message.redelivered,
             envelope,
-            message.routing_key or "",
-            message.exchange or "",
+            message.routing_key,
+            message.exchange,
         )
         terminal = target.terminal
         payload: Any = NOT_DECODED
@@ -789,7 +789,7 @@ def _failure_key(message: InboundMessage, envelope: Envelope | None) -> bytes:
     if envelope is not None:
         return envelope.event_id.bytes
     digest = hashlib.blake2b(message.body, digest_size=16)
-    digest.update((message.routing_key or "").encode())
+    digest.update(message.routing_key.encode())
     digest.update((message.message_id or "").encode())
     return digest.digest()
 
