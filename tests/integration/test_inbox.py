@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import datetime
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -129,6 +130,51 @@ def only(managed: ManagedConsumer) -> TerminalObservation:
     return observation
 
 
+@dataclasses.dataclass
+class CommitRun:
+    managed: ManagedConsumer
+    calls: list[uuid.UUID]  # one entry per handler call
+    event: uuid.UUID
+
+
+FailingCommits = Callable[..., Awaitable[CommitRun]]
+
+
+@pytest.fixture
+def failing_commits(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    failpoints: FailPoints,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> FailingCommits:
+    """Runs one event through the effect handler while ``commitTransaction`` fails as the failpoint
+    arguments say; returns after the consumer stopped, once ``settled`` held and the queue was empty."""
+
+    async def run(
+        q: str, *, settled: Callable[[ManagedConsumer], bool], inbox: InboxOptions | None = None, **failpoint: Any
+    ) -> CommitRun:
+        calls: list[uuid.UUID] = []
+        event = uuid.uuid4()
+        consumer = make_consumer(amqp, mongo_client, database_name, q, effect_handler(q, calls), inbox=inbox)
+        async with running(consumer) as managed:
+            await failpoints.set(["commitTransaction"], **failpoint)
+            await publish(amqp, q, event)
+            await eventually(lambda: settled(managed), timeout=8.0, what="settlement")
+            assert await wait_for_depth(amqp_channel, q, 0) == 0
+        return CommitRun(managed, calls, event)
+
+    return run
+
+
+def one_settled(managed: ManagedConsumer) -> bool:
+    return len(outcomes(managed)) == 1
+
+
+def acked(managed: ManagedConsumer) -> bool:
+    return "acked" in outcomes(managed)
+
+
 # -- fast path ------------------------------------------------------------------------------------
 
 
@@ -217,25 +263,17 @@ async def test_transient_error_on_an_operation_replays(
     ids=["labelled-transient", "unlabelled-emulator-shape"],
 )
 async def test_commit_failure_without_unknown_result_replays(
-    amqp: str,
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
     names: BrokerNames,
-    failpoints: FailPoints,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    failing_commits: FailingCommits,
     labels: list[str],
 ) -> None:
     # A commit failing without UnknownTransactionCommitResult did not commit (SPEC 5.5);
     # the emulator reports its write conflicts as code 112 with no label at all.
     q = names.queue("commit")
-    calls: list[uuid.UUID] = []
-    event = uuid.uuid4()
-    consumer = make_consumer(amqp, mongo_client, database_name, q, effect_handler(q, calls))
-    async with running(consumer) as managed:
-        await failpoints.set(["commitTransaction"], times=1, error_code=112, labels=labels)
-        await publish(amqp, q, event)
-        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
-        assert await wait_for_depth(amqp_channel, q, 0) == 0
+    run = await failing_commits(q, settled=one_settled, times=1, error_code=112, labels=labels)
+    managed, calls, event = run.managed, run.calls, run.event
     observation = only(managed)
     assert observation.outcome == "acked"
     assert observation.transient_replays == 1
@@ -276,24 +314,18 @@ async def test_old_scope_is_closed_while_the_replay_runs(
 
 
 async def test_unknown_commit_result_once_is_reconciled_by_retrying_the_commit(
-    amqp: str,
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
     names: BrokerNames,
-    failpoints: FailPoints,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    failing_commits: FailingCommits,
 ) -> None:
     # Code 50 (MaxTimeMSExpired) is not a retryable code for PyMongo, so the driver does
     # not retry the commit itself: the failpoint fires exactly once, at the library.
     q = names.queue("unknown1")
-    calls: list[uuid.UUID] = []
-    event = uuid.uuid4()
-    consumer = make_consumer(amqp, mongo_client, database_name, q, effect_handler(q, calls))
-    async with running(consumer) as managed:
-        await failpoints.set(["commitTransaction"], times=1, error_code=50, labels=["UnknownTransactionCommitResult"])
-        await publish(amqp, q, event)
-        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
-        assert await wait_for_depth(amqp_channel, q, 0) == 0
+    run = await failing_commits(
+        q, settled=one_settled, times=1, error_code=50, labels=["UnknownTransactionCommitResult"]
+    )
+    managed, calls, event = run.managed, run.calls, run.event
     observation = only(managed)
     assert observation.outcome == "acked"
     assert observation.reconciliations >= 1
@@ -305,11 +337,10 @@ async def test_unknown_commit_result_once_is_reconciled_by_retrying_the_commit(
 
 
 async def test_unknown_commit_result_that_persists_defers_to_the_next_delivery(
-    amqp: str,
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
     names: BrokerNames,
-    failpoints: FailPoints,
+    failing_commits: FailingCommits,
     amqp_channel: aio_pika.abc.AbstractChannel,
 ) -> None:
     # commit_retries=2: one commit plus two retries of the same commit, all failing with
@@ -318,21 +349,15 @@ async def test_unknown_commit_result_that_persists_defers_to_the_next_delivery(
     # absent → deferred (bounded requeue). The redelivery runs the handler again — a new
     # delivery, not a re-run within the first one — and commits cleanly.
     q = names.queue("unknownN")
-    calls: list[uuid.UUID] = []
-    event = uuid.uuid4()
-    consumer = make_consumer(
-        amqp,
-        mongo_client,
-        database_name,
+    run = await failing_commits(
         q,
-        effect_handler(q, calls),
+        settled=acked,
         inbox=InboxOptions(commit_retries=2, backoff_base=0.01),
+        times=3,
+        error_code=50,
+        labels=["UnknownTransactionCommitResult"],
     )
-    async with running(consumer) as managed:
-        await failpoints.set(["commitTransaction"], times=3, error_code=50, labels=["UnknownTransactionCommitResult"])
-        await publish(amqp, q, event)
-        await eventually(lambda: "acked" in outcomes(managed), timeout=8.0, what="the redelivery to settle")
-        assert await wait_for_depth(amqp_channel, q, 0) == 0
+    managed, calls, event = run.managed, run.calls, run.event
     first, second = managed.delivery_terminal_observations()
     assert first.outcome == "deferred"
     assert first.code == "COMMIT_AMBIGUOUS"
@@ -350,32 +375,24 @@ async def test_unknown_commit_result_that_persists_defers_to_the_next_delivery(
 
 
 async def test_unknown_commit_result_many_times_stays_bounded(
-    amqp: str,
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
     names: BrokerNames,
-    failpoints: FailPoints,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    failing_commits: FailingCommits,
 ) -> None:
     # times=10 with commit_retries=2: each delivery consumes up to three commit failures.
     # Deliveries 1-3 consume nine and are deferred; delivery 4 sees one more failure, its
     # commit retry succeeds (reconciled) and it is ACKed. Four handler calls, one per delivery.
     q = names.queue("unknown10")
-    calls: list[uuid.UUID] = []
-    event = uuid.uuid4()
-    consumer = make_consumer(
-        amqp,
-        mongo_client,
-        database_name,
+    run = await failing_commits(
         q,
-        effect_handler(q, calls),
+        settled=acked,
         inbox=InboxOptions(commit_retries=2, backoff_base=0.01),
+        times=10,
+        error_code=50,
+        labels=["UnknownTransactionCommitResult"],
     )
-    async with running(consumer) as managed:
-        await failpoints.set(["commitTransaction"], times=10, error_code=50, labels=["UnknownTransactionCommitResult"])
-        await publish(amqp, q, event)
-        await eventually(lambda: "acked" in outcomes(managed), timeout=8.0, what="settlement")
-        assert await wait_for_depth(amqp_channel, q, 0) == 0
+    managed, calls, event = run.managed, run.calls, run.event
     observations = managed.delivery_terminal_observations()
     assert [o.outcome for o in observations] == ["deferred", "deferred", "deferred", "acked"]
     assert all(o.attempts == 1 and o.transient_replays == 0 for o in observations)
@@ -385,11 +402,10 @@ async def test_unknown_commit_result_many_times_stays_bounded(
 
 
 async def test_close_connection_failpoint_on_commit(
-    amqp: str,
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
     names: BrokerNames,
-    failpoints: FailPoints,
+    failing_commits: FailingCommits,
     amqp_channel: aio_pika.abc.AbstractChannel,
 ) -> None:
     # MongoDB drops the socket (the driver sees a network error labelled
@@ -397,21 +413,14 @@ async def test_close_connection_failpoint_on_commit(
     # error reply carrying no code and no label, i.e. "did not commit" (replay). Either way
     # the effect happens once and every attempt ran the handler exactly once.
     q = names.queue("close")
-    calls: list[uuid.UUID] = []
-    event = uuid.uuid4()
-    consumer = make_consumer(
-        amqp,
-        mongo_client,
-        database_name,
+    run = await failing_commits(
         q,
-        effect_handler(q, calls),
+        settled=lambda managed: settled_copies(managed) == 1,
         inbox=InboxOptions(commit_retries=1, backoff_base=0.01),
+        times=3,
+        close_connection=True,
     )
-    async with running(consumer) as managed:
-        await failpoints.set(["commitTransaction"], times=3, close_connection=True)
-        await publish(amqp, q, event)
-        await eventually(lambda: settled_copies(managed) == 1, timeout=8.0, what="settled")
-        assert await wait_for_depth(amqp_channel, q, 0) == 0
+    managed, calls, event = run.managed, run.calls, run.event
     observations = managed.delivery_terminal_observations()
     assert observations[-1].outcome in ("acked", "duplicate")
     assert all(o.outcome == "deferred" for o in observations[:-1])
