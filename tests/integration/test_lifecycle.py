@@ -164,6 +164,22 @@ class Stubborn:
             await self.done.wait()
 
 
+def stubborn_consumer(
+    amqp: str, q: str, *, consumer: dict[str, Any] | None = None, **queue_options: Any
+) -> tuple[Consumer, Stubborn]:
+    """A consumer of ``q`` (one permit, prefetch 1) whose handler is a :class:`Stubborn` body."""
+    built = Consumer(amqp_url=amqp, name="t", **(consumer or {}))
+    built.configure_queue(q, concurrency=1, prefetch=1, **queue_options)
+    stubborn = Stubborn()
+
+    @queue(q, version=1)
+    async def handler(body: Body) -> None:
+        await stubborn.run()
+
+    built.include(handler)
+    return built, stubborn
+
+
 # -- cancellation rules -------------------------------------------------------------------------
 
 
@@ -464,15 +480,9 @@ async def test_forced_shutdown_reports_a_stubborn_delivery_unresolved_and_the_br
 ) -> None:
     q = names.queue("forced")
     graceful, force = 0.5, 0.5
-    consumer = Consumer(amqp_url=amqp, name="t", graceful_timeout=graceful, force_timeout=force)
-    consumer.configure_queue(q, concurrency=1, prefetch=1, deadline=60.0)
-    stubborn = Stubborn()
-
-    @queue(q, version=1)
-    async def stubborn_handler(body: Body) -> None:
-        await stubborn.run()
-
-    consumer.include(stubborn_handler)
+    consumer, stubborn = stubborn_consumer(
+        amqp, q, consumer={"graceful_timeout": graceful, "force_timeout": force}, deadline=60.0
+    )
     managed = await consumer.start()
     try:
         async with Publisher(amqp) as publisher:
@@ -618,22 +628,9 @@ async def test_delivery_deadline_drops_a_handler_that_ignores_cancellation(
     amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
 ) -> None:
     q = names.queue("deadline-drop")
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(
-        q,
-        concurrency=1,
-        prefetch=1,
-        deadline=0.3,
-        cooperation_window=0.2,
-        retry=RetryPolicy(max_retries=2, delays=(30.0,)),
+    consumer, stubborn = stubborn_consumer(
+        amqp, q, deadline=0.3, cooperation_window=0.2, retry=RetryPolicy(max_retries=2, delays=(30.0,))
     )
-    stubborn = Stubborn()
-
-    @queue(q, version=1)
-    async def handler(body: Body) -> None:
-        await stubborn.run()
-
-    consumer.include(handler)
     managed = await consumer.start()
     try:
         async with Publisher(amqp) as publisher:
@@ -656,22 +653,14 @@ async def test_shutdown_report_does_not_claim_success_while_a_dropped_handler_st
     amqp: str, names: BrokerNames
 ) -> None:
     q = names.queue("deadline-leftover")
-    consumer = Consumer(amqp_url=amqp, name="t", force_timeout=0.3)
-    consumer.configure_queue(
+    consumer, stubborn = stubborn_consumer(
+        amqp,
         q,
-        concurrency=1,
-        prefetch=1,
+        consumer={"force_timeout": 0.3},
         deadline=0.2,
         cooperation_window=0.1,
         retry=RetryPolicy(max_retries=1, delays=(30.0,)),
     )
-    stubborn = Stubborn()
-
-    @queue(q, version=1)
-    async def handler(body: Body) -> None:
-        await stubborn.run()
-
-    consumer.include(handler)
     managed = await consumer.start()
     try:
         async with Publisher(amqp) as publisher:
