@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BOUNDS", "HANDOFF_HEADER_KEYS", "Bounds", "utf8_len"]
+__all__ = ["BOUNDS", "Bounds", "utf8_len"]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -62,19 +62,6 @@ class Bounds:
 
 
 BOUNDS = Bounds()
-
-# Headers the framework writes on a handoff copy. They are replaced, not added,
-# when an incoming copy already carries them (a replayed DLQ message).
-HANDOFF_HEADER_KEYS: frozenset[str] = frozenset(
-    {
-        "x-retry-count",
-        "x-lily-failure-code",
-        "x-lily-failure-reason",
-        "x-lily-failed-queue",
-        "x-lily-failed-at",
-    }
-)
-
 
 def utf8_len(text: str) -> int:
     """Length of ``text`` in UTF-8 bytes (surrogates count as replaced)."""

@@ -16,12 +16,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ._text import describe_key, describe_value
-from .bounds import BOUNDS, HANDOFF_HEADER_KEYS, utf8_len
+from .bounds import BOUNDS, utf8_len
 from .errors import EnvelopeError, ErrorCode
 
 __all__ = [
     "CONTENT_KIND_HEADER",
+    "DELIVERY_COUNT_HEADER",
     "EVENT_ID_HEADER",
+    "FAILED_AT_HEADER",
+    "FAILED_QUEUE_HEADER",
+    "FAILURE_CODE_HEADER",
+    "FAILURE_REASON_HEADER",
+    "HANDOFF_HEADER_KEYS",
     "RETRY_COUNT_HEADER",
     "SCHEMA_VERSION_HEADER",
     "TRACEPARENT_HEADER",
@@ -40,6 +46,20 @@ CONTENT_KIND_HEADER = "x-lily-content-kind"
 RETRY_COUNT_HEADER = "x-retry-count"
 TRACEPARENT_HEADER = "traceparent"
 TRACESTATE_HEADER = "tracestate"
+# Written by the framework on every retry and DLQ copy (SPEC section 3).
+FAILURE_CODE_HEADER = "x-lily-failure-code"
+FAILURE_REASON_HEADER = "x-lily-failure-reason"
+FAILED_QUEUE_HEADER = "x-lily-failed-queue"
+FAILED_AT_HEADER = "x-lily-failed-at"
+# Set by RabbitMQ on quorum-queue redeliveries; bounds deferrals across processes.
+DELIVERY_COUNT_HEADER = "x-delivery-count"
+
+# Headers the framework writes on a handoff copy. They are replaced, not added,
+# when an incoming copy already carries them (a replayed DLQ message), and the
+# room they need is reserved in every accepted delivery's metadata.
+HANDOFF_HEADER_KEYS: frozenset[str] = frozenset(
+    {RETRY_COUNT_HEADER, FAILURE_CODE_HEADER, FAILURE_REASON_HEADER, FAILED_QUEUE_HEADER, FAILED_AT_HEADER}
+)
 
 # ``re.fullmatch`` with explicit ASCII classes: ``$`` would accept a trailing
 # newline and ``\d`` would accept non-ASCII digits.

@@ -38,6 +38,16 @@ class ErrorCode(enum.StrEnum):
     HANDLER_FAILED = "QUEUE_HANDLER_FAILED"
     HANDLER_TIMEOUT = "QUEUE_HANDLER_TIMEOUT"
     GUARD_REJECTED = "QUEUE_GUARD_REJECTED"
+    # Deferral codes: why a delivery was requeued without spending an application retry
+    # (SPEC section 3, "deferred"). Kept unprefixed: they never reach a DLQ copy as such
+    # (an exhausted deferral bound dead-letters with QUEUE_DEFERRALS_EXHAUSTED).
+    LEASE_HELD = "LEASE_HELD"
+    LEASE_LOST = "LEASE_LOST"
+    REPLAY_BUDGET_SPENT = "REPLAY_BUDGET_SPENT"
+    COMMIT_AMBIGUOUS = "COMMIT_AMBIGUOUS"
+    MONGO_UNAVAILABLE = "MONGO_UNAVAILABLE"
+    MONGO_ERROR = "MONGO_ERROR"
+    SHUTDOWN = "SHUTDOWN"
 
 
 class LilyError(Exception):

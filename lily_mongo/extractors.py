@@ -217,7 +217,6 @@ class Parameter:
 
     name: str
     extractor: Extractor | None  # None: the attempt's MongoScope
-    keyword_only: bool
 
 
 def _unwrap(annotation: Any) -> tuple[Any, list[Any]]:
@@ -255,16 +254,15 @@ def resolve_parameters(
         extractor_marks = [e for e in extras if isinstance(e, Extractor)]
         if len(extractor_marks) > 1:
             raise PlanError(f"{where}: parameter {param.name!r} has {len(extractor_marks)} extractors")
-        keyword_only = param.kind is inspect.Parameter.KEYWORD_ONLY
         if extractor_marks:
             bound = extractor_marks[0].bind(base)
             if bound.terminal:
                 terminals.append(param.name)
-            resolved.append(Parameter(param.name, bound, keyword_only))
+            resolved.append(Parameter(param.name, bound))
         elif isinstance(base, type) and issubclass(base, scope_type):
-            resolved.append(Parameter(param.name, None, keyword_only))
+            resolved.append(Parameter(param.name, None))
         elif base is RawDelivery:
-            resolved.append(Parameter(param.name, _RawDeliveryExtractor(), keyword_only))
+            resolved.append(Parameter(param.name, _RawDeliveryExtractor()))
         else:
             shown = getattr(base, "__name__", None) or repr(base)
             raise PlanError(

@@ -12,18 +12,16 @@ import dataclasses
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ._text import describe_value
 from .bounds import BOUNDS, utf8_len
-from .envelope import check_content_kind
-from .errors import ConfigError, ErrorCode, PlanError
-from .extractors import Parameter, is_coroutine_function, resolve_parameters
-
-if TYPE_CHECKING:
-    from .runtime import DeliveryContext
+from .envelope import Envelope, check_content_kind
+from .errors import ConfigError, PlanError
+from .extractors import Parameter, RawDelivery, is_coroutine_function, resolve_parameters
 
 __all__ = [
+    "DeliveryContext",
     "Guarantee",
     "Guard",
     "HandlerRoute",
@@ -243,14 +241,27 @@ class HandlerRoute:
     middleware: tuple[Middleware, ...]
     guards: tuple[Guard, ...]
     trace: str
-    # Derived from ``parameters`` once, not per delivery.
-    needs_scope: bool = dataclasses.field(init=False, repr=False, compare=False)
+    # The body-decoding parameter, found once at plan time, not per delivery.
     terminal: Parameter | None = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         terminal = next((p for p in self.parameters if p.extractor is not None and p.extractor.terminal), None)
-        object.__setattr__(self, "needs_scope", any(p.extractor is None for p in self.parameters))
         object.__setattr__(self, "terminal", terminal)
+
+
+@dataclass(slots=True)
+class DeliveryContext:
+    """What middleware and guards see for one attempt: read-only delivery data plus a scratch dict."""
+
+    queue: str
+    handler: HandlerRoute
+    delivery: RawDelivery
+    attempt: int
+    items: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def envelope(self) -> Envelope:
+        return self.delivery.envelope
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,10 +274,6 @@ class Plan:
     handlers: tuple[HandlerRoute, ...]
     middleware: tuple[Middleware, ...]
     guards: tuple[Guard, ...]
-
-    @property
-    def uses_inbox(self) -> bool:
-        return any(h.guarantee == "inbox" for h in self.handlers)
 
 
 @dataclass
@@ -390,15 +397,3 @@ class PlanBuilder:
             guards=guards,
             trace=spec.trace or spec.queue,
         )
-
-
-def dispatch(plan: Plan, queue_name: str, version: int, content: str) -> HandlerRoute | str:
-    """The handler for (queue, version, content), or the permanent error code why none serves it."""
-    by_version = plan.routes.get(queue_name, {})
-    by_content = by_version.get(version)
-    if by_content is None:
-        return ErrorCode.SCHEMA_VERSION_UNSUPPORTED
-    handler = by_content.get(content)
-    if handler is None:
-        return ErrorCode.CONTENT_KIND_UNSUPPORTED
-    return handler

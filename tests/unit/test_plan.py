@@ -412,8 +412,8 @@ def test_every_builtin_extractor_is_injectable() -> None:
     assert [p.name for p in route.parameters] == ["order", "event_id", "retries", "redelivered", "raw", "mongo"]
     assert route.terminal is not None
     assert route.terminal.name == "order"
-    assert route.needs_scope
-    assert [p.keyword_only for p in route.parameters] == [False] * 5 + [True]
+    # Only the MongoScope parameter has no extractor: the attempt's scope is passed there.
+    assert [p.name for p in route.parameters if p.extractor is None] == ["mongo"]
 
 
 @pytest.mark.parametrize(
@@ -510,7 +510,6 @@ def test_mongo_scope_through_the_public_consumer_without_mongo() -> None:
 def test_mongo_scope_with_a_mongo_client_defaults_to_inbox() -> None:
     plan = build(queue("q", version=1)(scoped()), has_mongo=True)
     assert plan.handlers[0].guarantee == "inbox"
-    assert plan.uses_inbox
 
 
 def test_mongo_scope_with_at_least_once_is_rejected() -> None:

@@ -1,0 +1,361 @@
+"""The inbox record protocol of SPEC section 5, as data and pure decisions.
+
+One record per (handler identity, event id) carries the lease and the
+completion. Its life::
+
+    (absent) --claim--> leased(owner, token) --completion in the transaction + commit--> completed
+                         |  ^                                                             |
+                         |  +-- claim by another owner once expired (token + 1)           +-- claim: duplicate
+                         +-- release: deleted (final failure) or expired with deferrals + 1 (deferral)
+
+This module holds both halves of every step:
+
+* the **server side**: the MongoDB update each step sends (:func:`claim_pipeline`,
+  :func:`completion_update`, ...) and, beside it, the same transition written in
+  Python (:func:`claim_transition`, ...). The Python transitions are what the
+  protocol model (``tests/property/test_inbox_model.py``) runs against its
+  simulated MongoDB; an integration test holds each pipeline equal to its
+  transition on a real server;
+* the **consumer side**: what the consumer concludes from what the server
+  answered (:func:`read_claim`, :func:`classify_error`, :func:`reconcile`,
+  :func:`next_after_replay`, :func:`heartbeat_verdict`).
+
+Pure: no I/O library. Times are server-clock :class:`datetime.datetime` values
+(``$$NOW`` in the pipelines); the consumer's clock never decides an expiry.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "COMPLETED",
+    "LEASED",
+    "TRANSIENT_LABEL",
+    "UNKNOWN_COMMIT_LABEL",
+    "Claim",
+    "ClaimKind",
+    "ErrorStep",
+    "Reconciled",
+    "claim_pipeline",
+    "claim_transition",
+    "classify_error",
+    "completion_transition",
+    "completion_update",
+    "deferral_release_update",
+    "fence",
+    "Heartbeat",
+    "heartbeat_verdict",
+    "may_renew",
+    "next_after_replay",
+    "read_claim",
+    "reconcile",
+    "record_key",
+    "release_transition",
+    "renewal_transition",
+    "renewal_update",
+]
+
+LEASED = "leased"
+COMPLETED = "completed"
+TRANSIENT_LABEL = "TransientTransactionError"
+UNKNOWN_COMMIT_LABEL = "UnknownTransactionCommitResult"
+
+Record = Mapping[str, Any]
+
+
+def record_key(handler_id: str, event_id: object) -> str:
+    """The record's ``_id``: ``"<handler_id>|<event_id>"`` (a string that shards well when hashed)."""
+    return f"{handler_id}|{event_id}"
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+# -- 1. claim ------------------------------------------------------------------------------------
+
+
+class ClaimKind(enum.Enum):
+    DUPLICATE = "duplicate"  # the record is completed: ACK without running anything
+    HELD = "held"  # another live owner holds it: deferred (its deferral counter was incremented)
+    LEASED = "leased"  # leased to this attempt
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What one claim concluded."""
+
+    kind: ClaimKind
+    token: int = 0  # the fencing token of this attempt's lease (LEASED)
+    deferrals: int = 0  # deliveries of this event deferred so far (HELD: including this one)
+    remaining: float | None = None  # seconds left on the holder's lease, server clock (HELD)
+
+
+def claim_pipeline(
+    handler_id: str, event_id: str, owner: str, *, lease_seconds: float, stale_seconds: float
+) -> list[dict[str, Any]]:
+    """The claim: one ``find_one_and_update(upsert=True)`` pipeline, see :func:`claim_transition`."""
+    lease_ms = _ms(lease_seconds)
+    done = {"$eq": [{"$ifNull": ["$state", None]}, COMPLETED]}
+    expired = {
+        "$or": [
+            {"$eq": [{"$ifNull": ["$owner", None]}, None]},
+            {"$lte": [{"$ifNull": ["$expires_at", None]}, "$$NOW"]},
+        ]
+    }
+    free = "$_lily_free"
+    return [
+        {"$set": {"_lily_done": done, "_lily_free": {"$and": [{"$not": [done]}, expired]}}},
+        {
+            "$set": {
+                "handler": handler_id,
+                "event_id": event_id,
+                "state": {"$cond": [free, LEASED, "$state"]},
+                "owner": {"$cond": [free, owner, "$owner"]},
+                "token": {"$cond": [free, {"$add": [{"$ifNull": ["$token", 0]}, 1]}, "$token"]},
+                "expires_at": {"$cond": [free, {"$add": ["$$NOW", lease_ms]}, "$expires_at"]},
+                "purge_at": {
+                    "$cond": [free, {"$add": ["$$NOW", lease_ms + _ms(stale_seconds)]}, "$purge_at"]
+                },
+                "acquisitions": {"$add": [{"$ifNull": ["$acquisitions", 0]}, {"$cond": [free, 1, 0]}]},
+                "deferrals": {
+                    "$add": [
+                        {"$ifNull": ["$deferrals", 0]},
+                        {"$cond": [{"$or": ["$_lily_done", free]}, 0, 1]},
+                    ]
+                },
+                "checked_at": {"$cond": ["$_lily_done", "$checked_at", "$$NOW"]},
+            }
+        },
+        {"$unset": ["_lily_done", "_lily_free"]},
+    ]
+
+
+def claim_transition(
+    record: Record | None,
+    *,
+    key: str,
+    handler_id: str,
+    event_id: str,
+    owner: str,
+    now: datetime.datetime,
+    lease_seconds: float,
+    stale_seconds: float,
+) -> dict[str, Any]:
+    """The record after a claim (what :func:`claim_pipeline` computes on the server).
+
+    Completed: unchanged. Absent, released, or its lease expired (``expires_at <= now``):
+    leased to ``owner`` with token + 1. Otherwise held: ``deferrals`` + 1.
+    """
+    doc: dict[str, Any] = dict(record) if record is not None else {"_id": key}
+    if doc.get("state") == COMPLETED:
+        return doc
+    expires = doc.get("expires_at")
+    free = doc.get("owner") is None or expires is None or expires <= now
+    doc["handler"], doc["event_id"] = handler_id, event_id
+    doc["checked_at"] = now
+    if free:
+        doc["state"] = LEASED
+        doc["owner"] = owner
+        doc["token"] = int(doc.get("token", 0)) + 1
+        doc["expires_at"] = now + datetime.timedelta(seconds=lease_seconds)
+        doc["purge_at"] = doc["expires_at"] + datetime.timedelta(seconds=stale_seconds)
+        doc["acquisitions"] = int(doc.get("acquisitions", 0)) + 1
+        doc.setdefault("deferrals", 0)
+    else:
+        doc.setdefault("acquisitions", 0)
+        doc["deferrals"] = int(doc.get("deferrals", 0)) + 1
+    return doc
+
+
+def _aware(value: object) -> datetime.datetime | None:
+    if not isinstance(value, datetime.datetime):
+        return None
+    return value if value.tzinfo is not None else value.replace(tzinfo=datetime.UTC)
+
+
+def read_claim(record: Record, owner: str) -> Claim:
+    """What the claim's returned record (the record after the update) means for this attempt."""
+    if record.get("state") == COMPLETED:
+        return Claim(ClaimKind.DUPLICATE)
+    if record.get("owner") == owner:
+        return Claim(ClaimKind.LEASED, token=int(record["token"]))
+    expires, checked = _aware(record.get("expires_at")), _aware(record.get("checked_at"))
+    remaining = max((expires - checked).total_seconds(), 0.0) if expires and checked else None
+    return Claim(ClaimKind.HELD, deferrals=int(record.get("deferrals", 0)), remaining=remaining)
+
+
+# -- fencing, completion, renewal, release -------------------------------------------------------
+
+
+def fence(key: str, owner: str, token: int) -> dict[str, Any]:
+    """The filter every write of a lease holder carries: its owner and token, still leased."""
+    return {"_id": key, "owner": owner, "token": token, "state": LEASED}
+
+
+def _fenced(record: Record | None, owner: str, token: int) -> bool:
+    return (
+        record is not None
+        and record.get("state") == LEASED
+        and record.get("owner") == owner
+        and record.get("token") == token
+    )
+
+
+def completion_update(*, retention_seconds: float) -> list[dict[str, Any]]:
+    """The completion: the transaction's *first* write, so the transaction holds the record.
+
+    MongoDB fails a transaction's write to a document that anyone committed a write
+    to after the transaction's snapshot (its first operation), and makes writes from
+    outside wait while a transaction holds a document it wrote. Writing the record
+    first closes that window: no renewal or claim can land between the snapshot and
+    this write, and none lands after it until the transaction commits or aborts.
+    An abort undoes it, leaving the lease as it was.
+    """
+    return [
+        {
+            "$set": {
+                "state": COMPLETED,
+                "completed_at": "$$NOW",
+                "purge_at": {"$add": ["$$NOW", _ms(retention_seconds)]},
+            }
+        }
+    ]
+
+
+def completion_transition(
+    record: Record | None, owner: str, token: int, *, now: datetime.datetime, retention_seconds: float
+) -> dict[str, Any] | None:
+    """The record after the completion write, or None when the fence matches nothing (lease lost)."""
+    if not _fenced(record, owner, token):
+        return None
+    assert record is not None
+    doc = dict(record)
+    doc["state"] = COMPLETED
+    doc["completed_at"] = now
+    doc["purge_at"] = now + datetime.timedelta(seconds=retention_seconds)
+    return doc
+
+
+def renewal_update(*, lease_seconds: float, stale_seconds: float) -> list[dict[str, Any]]:
+    """The heartbeat: extend the lease on the server clock (sent with :func:`fence`)."""
+    lease_ms = _ms(lease_seconds)
+    return [
+        {
+            "$set": {
+                "expires_at": {"$add": ["$$NOW", lease_ms]},
+                "purge_at": {"$add": ["$$NOW", lease_ms + _ms(stale_seconds)]},
+            }
+        }
+    ]
+
+
+def renewal_transition(
+    record: Record | None,
+    owner: str,
+    token: int,
+    *,
+    now: datetime.datetime,
+    lease_seconds: float,
+    stale_seconds: float,
+) -> dict[str, Any] | None:
+    """The record after a renewal, or None when the fence matches nothing (the lease is lost)."""
+    if not _fenced(record, owner, token):
+        return None
+    assert record is not None
+    doc = dict(record)
+    doc["expires_at"] = now + datetime.timedelta(seconds=lease_seconds)
+    doc["purge_at"] = doc["expires_at"] + datetime.timedelta(seconds=stale_seconds)
+    return doc
+
+
+def deferral_release_update() -> list[dict[str, Any]]:
+    """Give the lease up after a deferral: no owner, expired now, one more deferral counted."""
+    return [
+        {"$set": {"owner": None, "expires_at": "$$NOW", "deferrals": {"$add": [{"$ifNull": ["$deferrals", 0]}, 1]}}}
+    ]
+
+
+def release_transition(
+    record: Record | None, owner: str, token: int, *, now: datetime.datetime, deferred: bool
+) -> tuple[dict[str, Any] | None, bool]:
+    """(record after, matched). A final failure deletes the record; a deferral expires it."""
+    if not _fenced(record, owner, token):
+        return (dict(record) if record is not None else None), False
+    if not deferred:
+        return None, True
+    assert record is not None
+    doc = dict(record)
+    doc["owner"] = None
+    doc["expires_at"] = now
+    doc["deferrals"] = int(doc.get("deferrals", 0)) + 1
+    return doc, True
+
+
+# -- consumer-side decisions ---------------------------------------------------------------------
+
+
+class ErrorStep(enum.Enum):
+    REPLAY = "replay"  # abort; replay the whole attempt in a fresh scope (SPEC 5.4)
+    RETRY_COMMIT = "retry_commit"  # the commit's result is unknown: retry the same commit (SPEC 5.5)
+    DEFER = "defer"  # abort; requeue the delivery without spending an application retry
+
+
+def classify_error(labels: Collection[str], *, in_commit: bool) -> ErrorStep:
+    """What a database error inside an attempt means, by its labels (never by code or message).
+
+    A commit that fails *without* ``UnknownTransactionCommitResult`` did not commit:
+    it replays like a transient error.
+    """
+    if in_commit:
+        return ErrorStep.RETRY_COMMIT if UNKNOWN_COMMIT_LABEL in labels else ErrorStep.REPLAY
+    return ErrorStep.REPLAY if TRANSIENT_LABEL in labels else ErrorStep.DEFER
+
+
+def next_after_replay(replays: int, budget: int) -> ErrorStep:
+    """After the ``replays``-th replay request: replay again within the budget, else defer."""
+    return ErrorStep.REPLAY if replays <= budget else ErrorStep.DEFER
+
+
+class Reconciled(enum.Enum):
+    COMMITTED = "committed"  # our completion is there: ACK
+    DUPLICATE = "duplicate"  # another attempt's completion is there: ACK as a duplicate
+    AMBIGUOUS = "ambiguous"  # nothing completed is visible: defer, the next claim tells the truth
+
+
+def reconcile(record: Record | None, owner: str, token: int) -> Reconciled:
+    """Commit-result reconciliation from the record read with majority read concern (SPEC 5.5)."""
+    if record is None or record.get("state") != COMPLETED:
+        return Reconciled.AMBIGUOUS
+    if record.get("owner") == owner and record.get("token") == token:
+        return Reconciled.COMMITTED
+    return Reconciled.DUPLICATE
+
+
+class Heartbeat(enum.Enum):
+    RENEWED = "renewed"
+    LOST = "lost"  # taken over, or unrenewable for longer than the lease
+    RETRY = "retry"  # the renewal failed; try again on the next beat
+
+
+def may_renew(*, holding: bool) -> bool:
+    """May the heartbeat write the record now?
+
+    Not while the attempt's transaction holds it (from its completion write to its
+    commit or abort): on MongoDB the renewal would wait for the transaction, and a
+    write committed after the transaction's snapshot would fail the transaction.
+    """
+    return not holding
+
+
+def heartbeat_verdict(*, matched: bool | None, unrenewed_for: float, lease_seconds: float) -> Heartbeat:
+    """After a fenced renewal: ``matched`` is its answer, None when the renewal failed."""
+    if matched is None:
+        return Heartbeat.LOST if unrenewed_for > lease_seconds else Heartbeat.RETRY
+    return Heartbeat.RENEWED if matched else Heartbeat.LOST
+
