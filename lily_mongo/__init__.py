@@ -21,9 +21,8 @@ from .inbox import InboxOptions, MongoScope
 from .lifecycle import Consumer, ManagedConsumer, ShutdownAction, ShutdownReport
 from .observe import QueueSnapshot, Snapshot, TerminalObservation
 from .outbox import RelayOptions
-from .plan import QueueOptions, RetryPolicy, queue
+from .plan import DeliveryContext, QueueOptions, RetryPolicy, queue
 from .publisher import CustomPublishContent, Publisher
-from .runtime import DeliveryContext
 
 __all__ = [
     "Bytes",

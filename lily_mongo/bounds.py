@@ -63,6 +63,7 @@ class Bounds:
 
 BOUNDS = Bounds()
 
+
 def utf8_len(text: str) -> int:
     """Length of ``text`` in UTF-8 bytes (surrogates count as replaced)."""
     if text.isascii():

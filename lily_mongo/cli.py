@@ -7,7 +7,6 @@ commands, rich for progress and tables, PyYAML for YAML output.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import importlib
 import json
 import os
@@ -27,11 +26,13 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
 import aio_pika
 from pymongo import AsyncMongoClient
 
+from . import inbox as inbox_records
 from ._amqp import republish
 from ._connect import redact_url
 from .asyncapi import asyncapi_document
 from .envelope import EVENT_ID_HEADER, RETRY_COUNT_HEADER
 from .errors import LilyError, PublishError
+from .inbox import InboxOptions
 from .lifecycle import Consumer
 
 __all__ = ["app", "main"]
@@ -299,48 +300,17 @@ def dlq_replay(
 def inbox_stats(
     database: Annotated[str, typer.Argument(help="The consumer's database.")],
     mongo_uri: MongoOption = "mongodb://127.0.0.1:27017/",
-    completions: str = "lily_inbox",
-    leases: str = "lily_leases",
-    outbox: str = "lily_outbox",
+    records: Annotated[str, typer.Option(help="The inbox record collection (InboxOptions.records).")] = "lily_inbox",
+    outbox: Annotated[str, typer.Option(help="The outbox collection (InboxOptions.outbox).")] = "lily_outbox",
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Completed records, live and stale leases, outbox pending/published/failed, per handler."""
+    """Completed records, live and expired leases, outbox pending/published/failed, per handler."""
+    options = InboxOptions(records=records, outbox=outbox)
 
     async def main() -> dict[str, dict[str, int]]:
         client: AsyncMongoClient[Any] = AsyncMongoClient(mongo_uri, serverSelectionTimeoutMS=10_000)
         try:
-            db = client[database]
-            stats: dict[str, dict[str, int]] = {}
-
-            def row(handler: str) -> dict[str, int]:
-                return stats.setdefault(
-                    handler,
-                    {
-                        "completed": 0,
-                        "live_leases": 0,
-                        "stale_leases": 0,
-                        "outbox_pending": 0,
-                        "outbox_published": 0,
-                        "outbox_failed": 0,
-                    },
-                )
-
-            async for doc in await db[completions].aggregate([{"$group": {"_id": "$handler", "n": {"$sum": 1}}}]):
-                row(str(doc["_id"]))["completed"] = doc["n"]
-            now = datetime.datetime.now(datetime.UTC)
-            async for doc in db[leases].find({}, {"_id": 1, "owner": 1, "expires_at": 1}):
-                handler = str(doc["_id"]).rsplit("|", 1)[0]
-                expires = doc.get("expires_at")
-                if isinstance(expires, datetime.datetime) and expires.tzinfo is None:
-                    expires = expires.replace(tzinfo=datetime.UTC)
-                live = doc.get("owner") is not None and isinstance(expires, datetime.datetime) and expires > now
-                row(handler)["live_leases" if live else "stale_leases"] += 1
-            group = {"$group": {"_id": {"h": "$handler", "s": "$status"}, "n": {"$sum": 1}}}
-            async for doc in await db[outbox].aggregate([group]):
-                status = str(doc["_id"].get("s"))
-                if status in ("pending", "published", "failed"):
-                    row(str(doc["_id"].get("h")))[f"outbox_{status}"] = doc["n"]
-            return stats
+            return await inbox_records.inbox_stats(client[database], options)
         finally:
             await client.close()
 

@@ -189,4 +189,3 @@ def _bind(
         await middleware(ctx, call_next)
 
     return call
-

@@ -1,73 +1,101 @@
-"""The MongoDB lease inbox: fast path, lease, transaction, replay, reconciliation (SPEC section 5).
+"""The MongoDB inbox: one record per (handler, event) carries the lease and the completion (SPEC section 5).
 
-For one delivery of handler ``H`` and event ``E`` (key ``H|E``):
+For one delivery of handler ``H`` and event ``E`` (record ``_id`` ``"H|E"``):
 
-1. Fast path: a completion record for the key exists → duplicate → ACK.
-2. Acquire the lease document with one atomic ``find_one_and_update(upsert=True)``
-   whose expiry test and new expiry use the server clock (``$$NOW``). Held by a
-   live owner → deferred (the deferral counter is incremented in the same update).
-3. A heartbeat renews the lease, fenced by owner and token; a lost lease
-   cancels the attempt → deferred.
-4. Each attempt opens a fresh scope: new session, new transaction, new
-   middleware/handler call. The handler's writes, its outbox records and the
-   unique completion record commit together.
-5. ``TransientTransactionError`` (by label) anywhere, or a commit that fails
-   without ``UnknownTransactionCommitResult``, aborts and replays the whole
-   attempt with jittered backoff, bounded by the replay budget → else deferred.
-6. ``UnknownTransactionCommitResult`` → retry the same commit (bounded); still
-   unknown → read the completion record with majority read concern: ours →
-   committed; another owner's → duplicate; absent → deferred. The handler is
-   never re-run to find out. (Two loops: replay the pipeline, retry the commit.)
-7. After commit: release the lease (fenced), then the runtime ACKs.
-8. Failures abort, release the lease, then the runtime hands off.
+1. **Claim**: one ``find_one_and_update(upsert=True)`` on the server clock decides:
+   completed → duplicate → ACK; leased by another live owner → deferred (its
+   deferral counter incremented in the same update); otherwise leased to this
+   attempt with a new fencing token.
+2. **Attempt** (fresh session, transaction, scope and handler call each time):
+   the transaction's *first* write turns the record to completed, fenced by
+   owner and token (no match: the lease was lost → deferred). The transaction
+   then holds the record: on MongoDB no renewal or claim lands on it until the
+   commit or abort. The handler's writes and outbox records follow; the commit
+   makes all of it visible at once. Nothing is left to release afterwards.
+3. **Heartbeat**: one task per consumer renews the leases of running
+   deliveries, fenced, and never while their transaction holds the record.
+4. **Replay** on ``TransientTransactionError`` (by label) or a commit that failed
+   without ``UnknownTransactionCommitResult``: abort, back off, fresh attempt;
+   bounded by the replay budget → deferred.
+5. **Reconcile** an ``UnknownTransactionCommitResult``: retry the same commit
+   (bounded); still unknown → read the record with majority read concern.
+6. **Release** on the failure paths: a handler failure deletes the record
+   (fenced), then the runtime hands off; a deferral expires the lease and counts
+   the deferral.
+
+Budget (SPEC section 5): a first-time delivery whose handler makes ``k`` writes
+sends ``3 + k`` commands (claim, completion, k writes, commit); a copy of a
+completed event sends 1 (the claim). :mod:`lily_mongo.lease` holds every
+decision; this module performs them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
+import itertools
 import logging
 import random
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pymongo import ReturnDocument
-from pymongo.errors import DuplicateKeyError, OperationFailure, PyMongoError
+from pymongo.errors import DuplicateKeyError, PyMongoError
 from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
+from . import lease as protocol
+from ._mongo import discard_server_session, ensure_index, error_labels
+from ._tasks import TaskSet
 from .bounds import BOUNDS
-from .errors import ConfigError, ScopeClosedError
+from .errors import ConfigError, ErrorCode, ScopeClosedError
 from .extractors import NOT_DECODED
-from .outbox import Outbox, OutboxRelay, RelayOptions, utcnow
-from .settlement import Outcome, PipelineResult
+from .lease import ClaimKind, ErrorStep, Heartbeat, Reconciled
+from .outbox import Outbox, RelayOptions
+from .settlement import Execution, Outcome, PipelineResult
 
 if TYPE_CHECKING:
-    import aio_pika.abc
     from pymongo import AsyncMongoClient
     from pymongo.asynchronous.client_session import AsyncClientSession
     from pymongo.asynchronous.database import AsyncDatabase
 
     from .extractors import RawDelivery
     from .plan import HandlerRoute
-    from .runtime import Execution, QueueRuntime, Runtime, TaskSet
 
-__all__ = ["Inbox", "InboxOptions", "MongoScope"]
+__all__ = ["Inbox", "InboxOptions", "Invoke", "MongoScope", "inbox_stats"]
 
 log = logging.getLogger("lily_mongo")
 
-TRANSIENT = "TransientTransactionError"
-UNKNOWN_COMMIT = "UnknownTransactionCommitResult"
+Invoke = Callable[[int, "MongoScope", Any], Awaitable[PipelineResult]]
+"""``invoke(attempt, scope, payload)``: one middleware/guards/handler call, its verdict returned.
+It must re-raise database errors for which :meth:`Inbox.passthrough` is true."""
+
+_DUPLICATE = PipelineResult(Outcome.DUPLICATE)
+_SUCCESS = PipelineResult(Outcome.SUCCESS)
+
+
+def _check_seconds(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise ConfigError(f"InboxOptions.{name} must be a number of seconds, got {value!r:.40}")
+    if (value <= low if low_open else value < low) or value > high:
+        shown = f"> {low:g}" if low_open else f">= {low:g}"
+        raise ConfigError(f"InboxOptions.{name} must be {shown} and <= {high:g} seconds, got {value!r}")
+    return float(value)
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"InboxOptions.{name} must be an integer {low}..{high}, got {value!r:.40}")
+    return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InboxOptions:
     """Collections, lease timing, retention and replay budgets of the inbox and outbox."""
 
-    completions: str = "lily_inbox"
-    leases: str = "lily_leases"
+    records: str = "lily_inbox"
     outbox: str = "lily_outbox"
     lease_seconds: float = 30.0
     heartbeat_seconds: float | None = None  # default: lease_seconds / 3
@@ -83,26 +111,33 @@ class InboxOptions:
     run_relay: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("completions", "leases", "outbox"):
+        for name in ("records", "outbox"):
             value = getattr(self, name)
             if not isinstance(value, str) or not 0 < len(value.encode()) <= 120 or "$" in value:
                 raise ConfigError(f"InboxOptions.{name} must be a collection name of 1..120 bytes, got {value!r:.60}")
-        if not 0.05 <= self.lease_seconds <= 3600:
-            raise ConfigError(f"InboxOptions.lease_seconds must be 0.05..3600, got {self.lease_seconds!r}")
+        if self.records == self.outbox:
+            raise ConfigError(f"InboxOptions.records and .outbox must differ, both are {self.records!r:.60}")
+        _check_seconds("lease_seconds", self.lease_seconds, 0.05, 3600)
         heartbeat = self.heartbeat_seconds if self.heartbeat_seconds is not None else self.lease_seconds / 3
-        if not 0 < heartbeat < self.lease_seconds:
-            raise ConfigError(f"InboxOptions.heartbeat_seconds must be > 0 and < lease_seconds, got {heartbeat!r}")
-        object.__setattr__(self, "heartbeat_seconds", heartbeat)
-        if not 60 <= self.retention_seconds <= 366 * 24 * 3600:
-            raise ConfigError(f"InboxOptions.retention_seconds must be 60..31622400, got {self.retention_seconds!r}")
-        if not 0 <= self.replay_budget <= 100:
-            raise ConfigError(f"InboxOptions.replay_budget must be 0..100, got {self.replay_budget!r}")
-        if not 0 <= self.commit_retries <= 100:
-            raise ConfigError(f"InboxOptions.commit_retries must be 0..100, got {self.commit_retries!r}")
-        if not 1 <= self.outbox_max_body <= BOUNDS.outbox_body_max:
+        _check_seconds("heartbeat_seconds", heartbeat, 0, self.lease_seconds, low_open=True)
+        if heartbeat >= self.lease_seconds:
             raise ConfigError(
-                f"InboxOptions.outbox_max_body must be 1..{BOUNDS.outbox_body_max} bytes, got {self.outbox_max_body!r}"
+                f"InboxOptions.heartbeat_seconds must be < lease_seconds ({self.lease_seconds:g}), got {heartbeat!r}"
             )
+        object.__setattr__(self, "heartbeat_seconds", float(heartbeat))
+        _check_seconds("retention_seconds", self.retention_seconds, 60, 366 * 24 * 3600)
+        _check_seconds("stale_lease_seconds", self.stale_lease_seconds, 1, 366 * 24 * 3600)
+        _check_int("replay_budget", self.replay_budget, 0, 100)
+        _check_int("commit_retries", self.commit_retries, 0, 100)
+        _check_seconds("backoff_base", self.backoff_base, 0, 60, low_open=True)
+        _check_seconds("backoff_max", self.backoff_max, 0, 600, low_open=True)
+        if self.backoff_base > self.backoff_max:
+            raise ConfigError(
+                f"InboxOptions.backoff_base must be <= backoff_max ({self.backoff_max:g}), got {self.backoff_base!r}"
+            )
+        _check_int("outbox_max_body", self.outbox_max_body, 1, BOUNDS.outbox_body_max)
+        if not isinstance(self.relay, RelayOptions):
+            raise ConfigError(f"InboxOptions.relay must be a RelayOptions, got {type(self.relay).__name__}")
 
 
 class MongoScope:
@@ -155,36 +190,22 @@ class MongoScope:
         self._open = False
 
 
-class _ReplayNeeded(Exception):
-    """The attempt must be replayed in a fresh scope (transient error, or commit not applied)."""
+class _Replay(Exception):
+    """The attempt must be replayed in a fresh scope (transient error, or a commit not applied)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Lease:
     key: str
     owner: str
     token: int
-    lost: asyncio.Event
-    held: bool = True
-    committing: bool = False
-
-
-def _discard_server_session(session: AsyncClientSession) -> None:
-    """Never reuse a session whose transaction outcome is unclear.
-
-    MongoDB aborts a session's open transaction when the next transaction on
-    that session starts; some emulators instead keep it open and commit it with
-    the next one. Marking the server session dirty makes PyMongo drop it from
-    its pool, which is harmless on MongoDB (the server times it out).
-    """
-    server_session = getattr(session, "_server_session", None)
-    mark_dirty = getattr(server_session, "mark_dirty", None)
-    if callable(mark_dirty):
-        mark_dirty()
+    renewed_at: float = field(default_factory=time.monotonic)
+    holding: bool = False  # the attempt's transaction has written the record and not ended
+    lost: bool = False
 
 
 class Inbox:
-    """Runs inbox handlers under the lease protocol and owns the outbox relay."""
+    """Runs inbox handlers under the record protocol; one per started consumer."""
 
     def __init__(
         self,
@@ -193,372 +214,321 @@ class Inbox:
         options: InboxOptions,
         *,
         owner_prefix: str,
-        tasks: TaskSet,
-        uses_inbox: bool,
+        on_outbox_commit: Callable[[], None] | None = None,
     ) -> None:
-        self.client = client
-        self.database = client[database]
-        self.options = options
-        self.completions = self.database[options.completions]
-        self.leases = self.database[options.leases]
-        self.outbox = self.database[options.outbox]
-        self.owner_prefix = owner_prefix[:64]
-        self.instance = uuid.uuid4().hex[:12]
-        self.tasks = tasks
-        self.uses_inbox = uses_inbox
-        self.relay = OutboxRelay(self.outbox, options.relay, f"{self.owner_prefix}:{self.instance}")
-        self._relay_task: asyncio.Task[Any] | None = None
-        self._relay_channel: aio_pika.abc.AbstractChannel | None = None
+        self._client = client
+        self._database = client[database]
+        self._options = options
+        self._records = self._database[options.records]
+        self._majority_records = self._records.with_options(read_concern=ReadConcern("majority"))
+        self._outbox = self._database[options.outbox]
+        # Owner ids: "<consumer>:<process instance>:<attempt number>", unique without a uuid per delivery.
+        self._owner_prefix = f"{owner_prefix[:64]}:{uuid.uuid4().hex[:12]}:"
+        self._owner_numbers = itertools.count(1)
+        self._on_outbox_commit = on_outbox_commit
+        self._leases: set[_Lease] = set()
+        assert options.heartbeat_seconds is not None
+        self._heartbeat_seconds = options.heartbeat_seconds
 
-    # -- setup --------------------------------------------------------------------------
+    @property
+    def records(self) -> str:
+        """The name of the record collection."""
+        return self._options.records
 
-    _INDEXES: tuple[tuple[str, str, list[tuple[str, int]], dict[str, Any]], ...] = (
-        ("completions", "lily_expires_at_ttl", [("expires_at", 1)], {"expireAfterSeconds": 0}),
-        ("leases", "lily_stale_at_ttl", [("stale_at", 1)], {"expireAfterSeconds": 0}),
-        ("outbox", "lily_status_available", [("status", 1), ("available_at", 1)], {}),
-        ("outbox", "lily_expires_at_ttl", [("expires_at", 1)], {"expireAfterSeconds": 0}),
-    )
+    # -- set-up and the heartbeat --------------------------------------------------------------
 
     async def prepare(self) -> None:
-        """Create the TTL and relay indexes (idempotent), or only verify them in passive mode."""
-        for attr, name, keys, extra in self._INDEXES:
-            collection = getattr(self, attr)
-            if self.options.passive_indexes:
-                existing = await collection.index_information()
-                if name not in existing:
-                    raise ConfigError(f"index {name!r} is missing on collection {collection.name!r} (passive mode)")
-                continue
-            try:
-                await collection.create_index(keys, name=name, **extra)
-            except OperationFailure as exc:
-                raise ConfigError(
-                    f"index {name!r} on {collection.name!r} exists with other options: {exc.details}"
-                ) from exc
+        """Create the record collection's TTL index (idempotent), or only verify it in passive mode."""
+        await ensure_index(
+            self._records,
+            "lily_purge_at_ttl",
+            [("purge_at", 1)],
+            passive=self._options.passive_indexes,
+            expireAfterSeconds=0,
+        )
 
-    async def start_relay(self, connection: aio_pika.abc.AbstractConnection, confirm_timeout: float) -> None:
-        if not self.options.run_relay:
-            return
-        self._relay_channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-        self._relay_task = self.tasks.spawn(self.relay.run(self._relay_channel, confirm_timeout), name="lily-relay")
+    def start(self, tasks: TaskSet) -> None:
+        """Start the heartbeat, a task of the supervisor's."""
+        tasks.spawn(self._heartbeat(), name="lily-heartbeat")
 
-    async def stop_relay(self, timeout: float) -> bool:
-        """Stop after the in-flight publish settles or ``timeout`` ends; True if the relay ended."""
-        self.relay.stop()
-        task = self._relay_task
-        ended = True
-        if task is not None:
-            done, _ = await asyncio.wait({task}, timeout=timeout)
-            if not done:
-                task.cancel()
-                done, _ = await asyncio.wait({task}, timeout=timeout)
-            ended = bool(done)
-        if self._relay_channel is not None and not self._relay_channel.is_closed:
-            await self._relay_channel.close()
-        return ended
+    async def _heartbeat(self) -> None:
+        """Renew the lease of every running delivery whose last renewal is a beat old, fenced."""
+        interval = self._heartbeat_seconds
+        options = self._options
+        while True:
+            await asyncio.sleep(interval / 2)
+            now = time.monotonic()
+            for lease in list(self._leases):
+                if lease.lost or now - lease.renewed_at < interval or not protocol.may_renew(holding=lease.holding):
+                    continue
+                try:
+                    result = await self._records.update_one(
+                        protocol.fence(lease.key, lease.owner, lease.token),
+                        protocol.renewal_update(
+                            lease_seconds=options.lease_seconds, stale_seconds=options.stale_lease_seconds
+                        ),
+                    )
+                    matched: bool | None = result.matched_count > 0
+                except PyMongoError:
+                    matched = None
+                verdict = protocol.heartbeat_verdict(
+                    matched=matched,
+                    unrenewed_for=time.monotonic() - lease.renewed_at,
+                    lease_seconds=options.lease_seconds,
+                )
+                if verdict is Heartbeat.RENEWED:
+                    lease.renewed_at = time.monotonic()
+                elif verdict is Heartbeat.LOST:
+                    lease.lost = True
 
-    def outbox_counts(self) -> tuple[int | None, int | None, int]:
-        return self.relay.pending, self.relay.failed, self.relay.published
+    # -- one delivery --------------------------------------------------------------------------
 
-    # -- the lease protocol -------------------------------------------------------------
+    @staticmethod
+    def passthrough(exc: BaseException) -> bool:
+        """Database errors the handler's verdict must not swallow: the replay loop handles them."""
+        return isinstance(exc, PyMongoError) and ErrorStep.REPLAY is protocol.classify_error(
+            error_labels(exc), in_commit=False
+        )
 
-    def reraise_transaction_error(self, exc: BaseException) -> None:
-        """Let labelled database errors escape the handler's verdict to the replay loop."""
-        if isinstance(exc, PyMongoError) and exc.has_error_label(TRANSIENT):
-            raise exc
-
-    async def execute(
-        self, runtime: Runtime, qr: QueueRuntime, route: HandlerRoute, delivery: RawDelivery, payload: Any
-    ) -> Execution:
-        """Run one delivery under the lease protocol; ``payload`` is the already decoded body."""
-        from .runtime import Execution
-
-        key = f"{route.handler_id}|{delivery.envelope.event_id}"
-        owner = f"{self.owner_prefix}:{self.instance}:{uuid.uuid4().hex[:12]}"
+    async def execute(self, route: HandlerRoute, delivery: RawDelivery, payload: Any, invoke: Invoke) -> Execution:
+        """Run one delivery under the record protocol; ``payload`` is the body decoded while preparing."""
+        event_id = str(delivery.envelope.event_id)
+        key = protocol.record_key(route.handler_id, event_id)
+        owner = f"{self._owner_prefix}{next(self._owner_numbers)}"
         try:
-            if await self.completions.find_one({"_id": key}, projection={"_id": 1}) is not None:
-                return Execution(PipelineResult(Outcome.DUPLICATE))
-            lease_doc = await self._acquire(key, owner)
+            record = await self._claim(key, route.handler_id, event_id, owner)
         except PyMongoError as exc:
             # The database is unreachable or refused: infrastructure, not an application
             # failure. Requeue (bounded) without running the handler.
             reason = f"inbox unavailable: {type(exc).__name__}"
-            return Execution(PipelineResult(Outcome.DEFERRED, "MONGO_UNAVAILABLE", reason))
-        if lease_doc.get("owner") != owner:
-            remaining = self._remaining(lease_doc)
+            return Execution(PipelineResult(Outcome.DEFERRED, ErrorCode.MONGO_UNAVAILABLE, reason))
+        claim = protocol.read_claim(record, owner)
+        if claim.kind is ClaimKind.DUPLICATE:
+            return Execution(_DUPLICATE)
+        if claim.kind is ClaimKind.HELD:
             return Execution(
-                PipelineResult(Outcome.DEFERRED, "LEASE_HELD", "the lease is held by another live owner"),
-                deferrals=int(lease_doc.get("deferrals", 0)),
-                backoff_limit=remaining,
+                PipelineResult(Outcome.DEFERRED, ErrorCode.LEASE_HELD, "the lease is held by another live owner"),
+                deferrals=claim.deferrals,
+                backoff_limit=claim.remaining,
             )
-        lease = _Lease(key, owner, int(lease_doc["token"]), asyncio.Event())
-        heartbeat = self.tasks.spawn(self._heartbeat(lease), name="lily-heartbeat")
+        lease = _Lease(key, owner, claim.token)
+        self._leases.add(lease)
         execution: Execution | None = None
         try:
-            execution = await self._attempts(runtime, qr, route, delivery, lease, payload)
+            execution = await self._attempts(route, delivery, lease, payload, invoke)
         finally:
-            heartbeat.cancel()
-            # Release or mark the lease even if this task is being cancelled. Cancelled
-            # from outside (deadline, forced shutdown), the attempt is not a deferral:
-            # the runtime settles it otherwise, so the lease is simply released.
-            deferred = execution is not None and execution.result.outcome is Outcome.DEFERRED
-            release = asyncio.ensure_future(self._finish_lease(lease, deferred=deferred))
-            try:
-                deferrals = await asyncio.shield(release)
-            except PyMongoError:
-                log.warning("lease release failed; it will expire", exc_info=True)
-                deferrals = 0
-            if execution is not None and deferred:
-                execution.deferrals = deferrals
+            self._leases.discard(lease)
+            outcome = execution.result.outcome if execution is not None else None
+            if outcome is not Outcome.SUCCESS and outcome is not Outcome.DUPLICATE:
+                # Release even if this task is being cancelled. Cancelled from outside
+                # (deadline, forced shutdown), the attempt is not a deferral: the runtime
+                # settles it otherwise, so the record is simply released.
+                deferred = outcome is Outcome.DEFERRED
+                release = asyncio.ensure_future(self._release(lease, deferred=deferred))
+                try:
+                    deferrals = await asyncio.shield(release)
+                except PyMongoError:
+                    log.warning("releasing an inbox lease failed; it will expire", exc_info=True)
+                    deferrals = 0
+                if execution is not None and deferred:
+                    execution.deferrals = deferrals
         return execution
 
-    def _remaining(self, lease_doc: dict[str, Any]) -> float:
-        expires = lease_doc.get("expires_at")
-        if not isinstance(expires, datetime.datetime):
-            return self.options.lease_seconds
-        if expires.tzinfo is None:
-            expires = expires.replace(tzinfo=datetime.UTC)
-        return max((expires - utcnow()).total_seconds(), 0.0)
-
-    async def _acquire(self, key: str, owner: str) -> dict[str, Any]:
-        lease_ms = int(self.options.lease_seconds * 1000)
-        stale_ms = int(self.options.stale_lease_seconds * 1000)
-        free = {
-            "$or": [
-                {"$eq": [{"$ifNull": ["$owner", None]}, None]},
-                {"$lte": [{"$ifNull": ["$expires_at", None]}, "$$NOW"]},
-            ]
-        }
-        pipeline: list[dict[str, Any]] = [
-            {"$set": {"_lily_free": free}},
-            {
-                "$set": {
-                    "owner": {"$cond": ["$_lily_free", owner, "$owner"]},
-                    "token": {"$cond": ["$_lily_free", {"$add": [{"$ifNull": ["$token", 0]}, 1]}, "$token"]},
-                    "expires_at": {"$cond": ["$_lily_free", {"$add": ["$$NOW", lease_ms]}, "$expires_at"]},
-                    "stale_at": {"$add": ["$$NOW", lease_ms + stale_ms]},
-                    "acquisitions": {"$add": [{"$ifNull": ["$acquisitions", 0]}, {"$cond": ["$_lily_free", 1, 0]}]},
-                    "deferrals": {"$add": [{"$ifNull": ["$deferrals", 0]}, {"$cond": ["$_lily_free", 0, 1]}]},
-                }
-            },
-            {"$unset": "_lily_free"},
-        ]
+    async def _claim(self, key: str, handler_id: str, event_id: str, owner: str) -> dict[str, Any]:
+        pipeline = protocol.claim_pipeline(
+            handler_id,
+            event_id,
+            owner,
+            lease_seconds=self._options.lease_seconds,
+            stale_seconds=self._options.stale_lease_seconds,
+        )
         for _ in range(3):
             try:
-                doc: dict[str, Any] | None = await self.leases.find_one_and_update(
+                record: dict[str, Any] | None = await self._records.find_one_and_update(
                     {"_id": key}, pipeline, upsert=True, return_document=ReturnDocument.AFTER
                 )
             except DuplicateKeyError:
                 continue  # two concurrent upserts of a new key: the loser retries as an update
-            assert doc is not None
-            return doc
-        raise ConfigError("lease acquisition kept colliding on upsert")  # pragma: no cover
+            assert record is not None
+            return record
+        raise ConfigError("the inbox claim kept colliding on upsert")  # pragma: no cover
 
-    async def _heartbeat(self, lease: _Lease) -> None:
-        interval = self.options.heartbeat_seconds or self.options.lease_seconds / 3
-        lease_ms = int(self.options.lease_seconds * 1000)
-        last_ok = time.monotonic()
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                result = await self.leases.update_one(
-                    {"_id": lease.key, "owner": lease.owner, "token": lease.token},
-                    [{"$set": {"expires_at": {"$add": ["$$NOW", lease_ms]}}}],
-                )
-            except PyMongoError:
-                if time.monotonic() - last_ok > self.options.lease_seconds:
-                    lease.lost.set()
-                    return
-                continue
-            if result.matched_count == 0:
-                lease.lost.set()
-                return
-            last_ok = time.monotonic()
-
-    async def _finish_lease(self, lease: _Lease, *, deferred: bool) -> int:
-        """Fenced release: delete on a final verdict, keep (expired, deferrals + 1) on deferral."""
-        fence = {"_id": lease.key, "owner": lease.owner, "token": lease.token}
-        if deferred:
-            doc = await self.leases.find_one_and_update(
-                fence,
-                [
-                    {
-                        "$set": {
-                            "owner": None,
-                            "expires_at": "$$NOW",
-                            "deferrals": {"$add": [{"$ifNull": ["$deferrals", 0]}, 1]},
-                        }
-                    }
-                ],
-                return_document=ReturnDocument.AFTER,
-            )
-            if doc is None:  # lost meanwhile: count the deferral on whatever is there
-                doc = await self.leases.find_one({"_id": lease.key}) or {}
-            return int(doc.get("deferrals", 0))
-        await self.leases.delete_one(fence)
-        return 0
+    async def _release(self, lease: _Lease, *, deferred: bool) -> int:
+        """Fenced release: delete on a final verdict; on a deferral expire it and return the deferral count."""
+        fence = protocol.fence(lease.key, lease.owner, lease.token)
+        if not deferred:
+            await self._records.delete_one(fence)
+            return 0
+        record = await self._records.find_one_and_update(
+            fence, protocol.deferral_release_update(), return_document=ReturnDocument.AFTER
+        )
+        if record is None:  # lost (or committed) meanwhile: count on whatever is there
+            record = await self._records.find_one({"_id": lease.key}, projection={"deferrals": 1}) or {}
+        return int(record.get("deferrals", 0))
 
     async def _attempts(
-        self,
-        runtime: Runtime,
-        qr: QueueRuntime,
-        route: HandlerRoute,
-        delivery: RawDelivery,
-        lease: _Lease,
-        payload: Any,
+        self, route: HandlerRoute, delivery: RawDelivery, lease: _Lease, payload: Any, invoke: Invoke
     ) -> Execution:
         """The replay loop: each pass is a fresh scope; transient failures replay the whole pipeline."""
-        from .runtime import Execution
-
-        execution = Execution(PipelineResult(Outcome.DEFERRED, "REPLAY_BUDGET_SPENT", ""))
-        attempt = 0
+        options = self._options
+        execution = Execution(PipelineResult(Outcome.DEFERRED, ErrorCode.REPLAY_BUDGET_SPENT, ""))
         while True:
-            attempt += 1
-            execution.attempts = attempt
+            execution.attempts += 1
+            if lease.lost:
+                execution.result = PipelineResult(
+                    Outcome.DEFERRED, ErrorCode.LEASE_LOST, "the lease was lost between attempts"
+                )
+                return execution
             # The first attempt reuses the body decoded while preparing; a replay decodes
             # afresh so a handler that mutated its payload cannot leak into the replay.
-            first = payload if attempt == 1 else NOT_DECODED
-            task = asyncio.ensure_future(self._attempt(runtime, qr, route, delivery, lease, attempt, execution, first))
-            lost = asyncio.ensure_future(lease.lost.wait())
+            first = payload if execution.attempts == 1 else NOT_DECODED
             try:
-                await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                task.cancel()
-                lost.cancel()
-                await asyncio.wait({task})
-                raise
-            lost.cancel()
-            if not task.done():
-                if lease.committing:
-                    await asyncio.wait({task})  # never cut a commit short: reconcile it instead
-                else:
-                    task.cancel()
-                    await asyncio.wait({task})
-                    execution.result = PipelineResult(
-                        Outcome.DEFERRED, "LEASE_LOST", "the lease was lost while the handler ran"
-                    )
-                    return execution
-            try:
-                execution.result = task.result()
+                execution.result = await self._attempt(route, lease, execution, first, invoke)
                 return execution
-            except asyncio.CancelledError:
-                execution.result = PipelineResult(Outcome.DEFERRED, "LEASE_LOST", "attempt cancelled")
+            except _Deferral as deferral:
+                execution.result = deferral.result
                 return execution
-            except _ReplayNeeded as replay:
+            except _Replay as replay:
                 execution.transient_replays += 1
-                if execution.transient_replays > self.options.replay_budget:
+                if protocol.next_after_replay(execution.transient_replays, options.replay_budget) is ErrorStep.DEFER:
                     execution.result = PipelineResult(
                         Outcome.DEFERRED,
-                        "REPLAY_BUDGET_SPENT",
+                        ErrorCode.REPLAY_BUDGET_SPENT,
                         f"{execution.transient_replays - 1} transient replays (budget "
-                        f"{self.options.replay_budget}); last: {replay}",
+                        f"{options.replay_budget}); last: {replay}",
                     )
                     return execution
-                cap = min(self.options.backoff_max, self.options.backoff_base * 2**execution.transient_replays)
+                cap = min(options.backoff_max, options.backoff_base * 2**execution.transient_replays)
                 await asyncio.sleep(random.uniform(0, cap))
 
     async def _attempt(
-        self,
-        runtime: Runtime,
-        qr: QueueRuntime,
-        route: HandlerRoute,
-        delivery: RawDelivery,
-        lease: _Lease,
-        attempt: int,
-        execution: Execution,
-        payload: Any,
+        self, route: HandlerRoute, lease: _Lease, execution: Execution, payload: Any, invoke: Invoke
     ) -> PipelineResult:
-        session = self.client.start_session(causal_consistency=False)
-        scope: MongoScope | None = None
+        session = self._client.start_session(causal_consistency=False)
         try:
             await session.start_transaction(
                 read_concern=ReadConcern("snapshot"), write_concern=WriteConcern("majority")
             )
-            outbox = Outbox(
-                self.outbox,
-                session,
-                handler_id=route.handler_id,
-                max_body=self.options.outbox_max_body,
-                is_open=lambda: scope is not None and scope.is_open,
-            )
-            scope = MongoScope(session, self.database, outbox)
+            lease.holding = True  # from the completion write until the commit or abort ends
             try:
-                result = await runtime.run_attempt(qr, route, delivery, attempt=attempt, scope=scope, payload=payload)
-                if result.outcome is not Outcome.SUCCESS:
-                    await self._abort(session)
-                    return result
-                now = utcnow()
-                await self.completions.insert_one(
-                    {
-                        "_id": lease.key,
-                        "handler": route.handler_id,
-                        "event_id": str(delivery.envelope.event_id),
-                        "owner": lease.owner,
-                        "token": lease.token,
-                        "completed_at": now,
-                        "expires_at": now + datetime.timedelta(seconds=self.options.retention_seconds),
-                    },
+                done = await self._records.update_one(
+                    protocol.fence(lease.key, lease.owner, lease.token),
+                    protocol.completion_update(retention_seconds=self._options.retention_seconds),
                     session=session,
                 )
-            except DuplicateKeyError:
-                # Only the completion insert can raise here (handler errors became its verdict):
-                # another attempt committed this (handler, event) first.
-                await self._abort(session)
-                return PipelineResult(Outcome.DUPLICATE)
             except PyMongoError as exc:
                 await self._abort(session)
-                if exc.has_error_label(TRANSIENT):
-                    raise _ReplayNeeded(f"{type(exc).__name__} ({TRANSIENT})") from exc
-                return PipelineResult(Outcome.DEFERRED, "MONGO_ERROR", f"{type(exc).__name__}: {exc}"[:300])
+                raise self._failed(exc, "the completion write") from exc
+            if done.matched_count == 0:
+                await self._abort(session)
+                return PipelineResult(Outcome.DEFERRED, ErrorCode.LEASE_LOST, "the lease was taken over")
+            scope: MongoScope | None = None
+            outbox = Outbox(
+                self._outbox,
+                session,
+                handler_id=route.handler_id,
+                max_body=self._options.outbox_max_body,
+                is_open=lambda: scope is not None and scope.is_open,
+            )
+            scope = MongoScope(session, self._database, outbox)
+            try:
+                result = await invoke(execution.attempts, scope, payload)
+            except PyMongoError as exc:  # only what passthrough() let through: labelled transient
+                await self._abort(session)
+                raise self._failed(exc, "the handler") from exc
             finally:
                 scope.close()
-            wrote_outbox = outbox.written > 0
-            lease.committing = True
-            try:
-                committed = await self._commit(session, lease, execution)
-            finally:
-                lease.committing = False
-            if committed is None:
-                if wrote_outbox:
-                    self.relay.wake()
-                return PipelineResult(Outcome.SUCCESS)
-            return committed
+            if result.outcome is not Outcome.SUCCESS:
+                await self._abort(session)
+                return result
+            result = await self._commit(session, lease, execution)
+            if result is _SUCCESS and outbox.written and self._on_outbox_commit is not None:
+                self._on_outbox_commit()
+            return result
         finally:
+            lease.holding = False
             await session.end_session()
+
+    @staticmethod
+    def _failed(exc: PyMongoError, where: str) -> Exception:
+        """The exception an operation's database error turns into: a replay, or a deferral verdict."""
+        if protocol.classify_error(error_labels(exc), in_commit=False) is ErrorStep.REPLAY:
+            return _Replay(f"{type(exc).__name__} in {where} (TransientTransactionError)")
+        return _Deferral(PipelineResult(Outcome.DEFERRED, ErrorCode.MONGO_ERROR, f"{type(exc).__name__}: {exc}"[:300]))
 
     async def _abort(self, session: AsyncClientSession) -> None:
         if session.in_transaction:
             try:
                 await session.abort_transaction()
             except PyMongoError:
-                _discard_server_session(session)
+                discard_server_session(session)
 
-    async def _commit(self, session: AsyncClientSession, lease: _Lease, execution: Execution) -> PipelineResult | None:
-        """Commit (None when committed); on an unknown result retry the same commit, then read the record."""
+    async def _commit(self, session: AsyncClientSession, lease: _Lease, execution: Execution) -> PipelineResult:
+        """Commit; on an unknown result retry the same commit, then read the record (two separate loops)."""
         try:
             await session.commit_transaction()
-            return None
+            return _SUCCESS
         except PyMongoError as exc:
-            if not exc.has_error_label(UNKNOWN_COMMIT):
-                # Not committed (MongoDB aborts it): replay in a fresh scope.
-                _discard_server_session(session)
-                raise _ReplayNeeded(f"commit failed: {type(exc).__name__}") from exc
+            if protocol.classify_error(error_labels(exc), in_commit=True) is ErrorStep.REPLAY:
+                discard_server_session(session)  # not committed (MongoDB aborts it): replay
+                raise _Replay(f"commit failed: {type(exc).__name__}") from exc
         execution.reconciliations += 1
-        for retry in range(self.options.commit_retries):
-            await asyncio.sleep(random.uniform(0, min(self.options.backoff_max, self.options.backoff_base * 2**retry)))
+        options = self._options
+        for retry in range(options.commit_retries):
+            await asyncio.sleep(random.uniform(0, min(options.backoff_max, options.backoff_base * 2**retry)))
             try:
                 await session.commit_transaction()
-                return None
+                return _SUCCESS
             except PyMongoError as exc:
-                if not exc.has_error_label(UNKNOWN_COMMIT):
+                if protocol.classify_error(error_labels(exc), in_commit=True) is not ErrorStep.RETRY_COMMIT:
                     break
-        _discard_server_session(session)
-        record = await self.completions.with_options(read_concern=ReadConcern("majority")).find_one({"_id": lease.key})
-        if record is not None and record.get("owner") == lease.owner and record.get("token") == lease.token:
-            return None
-        if record is not None:
-            return PipelineResult(Outcome.DUPLICATE)
+        discard_server_session(session)
+        record = await self._majority_records.find_one({"_id": lease.key})
+        verdict = protocol.reconcile(record, lease.owner, lease.token)
+        if verdict is Reconciled.COMMITTED:
+            return _SUCCESS
+        if verdict is Reconciled.DUPLICATE:
+            return _DUPLICATE
         return PipelineResult(
             Outcome.DEFERRED,
-            "COMMIT_AMBIGUOUS",
-            "the commit result stayed unknown and no completion record is visible; the next delivery decides",
+            ErrorCode.COMMIT_AMBIGUOUS,
+            "the commit result stayed unknown and the record is not completed; the next delivery decides",
         )
+
+
+class _Deferral(Exception):
+    """An operation failed in a way that defers the delivery (carries the verdict)."""
+
+    def __init__(self, result: PipelineResult) -> None:
+        super().__init__(result.reason)
+        self.result = result
+
+
+_STAT_COLUMNS = ("completed", "live_leases", "stale_leases", "outbox_pending", "outbox_published", "outbox_failed")
+
+
+async def inbox_stats(database: AsyncDatabase[Any], options: InboxOptions) -> dict[str, dict[str, int]]:
+    """Per handler: completed records, live and expired leases, outbox records by status.
+
+    A lease is live while it has an owner and its expiry is ahead of the server clock.
+    """
+    stats: dict[str, dict[str, int]] = {}
+
+    def row(handler: object) -> dict[str, int]:
+        return stats.setdefault(str(handler), dict.fromkeys(_STAT_COLUMNS, 0))
+
+    live = {"$and": [{"$ne": [{"$ifNull": ["$owner", None]}, None]}, {"$gt": ["$expires_at", "$$NOW"]}]}
+    records = {"$group": {"_id": {"h": "$handler", "s": "$state", "live": live}, "n": {"$sum": 1}}}
+    async for doc in await database[options.records].aggregate([records]):
+        key = doc["_id"]
+        if key.get("s") == protocol.COMPLETED:
+            column = "completed"
+        else:
+            column = "live_leases" if key.get("live") else "stale_leases"
+        row(key.get("h"))[column] += int(doc["n"])
+    outbox = {"$group": {"_id": {"h": "$handler", "s": "$status"}, "n": {"$sum": 1}}}
+    async for doc in await database[options.outbox].aggregate([outbox]):
+        status = str(doc["_id"].get("s"))
+        if status in ("pending", "published", "failed"):
+            row(doc["_id"].get("h"))[f"outbox_{status}"] += int(doc["n"])
+    return stats

@@ -40,6 +40,7 @@ __all__ = [
     "Claim",
     "ClaimKind",
     "ErrorStep",
+    "Heartbeat",
     "Reconciled",
     "claim_pipeline",
     "claim_transition",
@@ -48,7 +49,6 @@ __all__ = [
     "completion_update",
     "deferral_release_update",
     "fence",
-    "Heartbeat",
     "heartbeat_verdict",
     "may_renew",
     "next_after_replay",
@@ -101,7 +101,8 @@ def claim_pipeline(
 ) -> list[dict[str, Any]]:
     """The claim: one ``find_one_and_update(upsert=True)`` pipeline, see :func:`claim_transition`."""
     lease_ms = _ms(lease_seconds)
-    done = {"$eq": [{"$ifNull": ["$state", None]}, COMPLETED]}
+    state = {"$ifNull": ["$state", None]}
+    done = {"$eq": [state, COMPLETED]}
     expired = {
         "$or": [
             {"$eq": [{"$ifNull": ["$owner", None]}, None]},
@@ -110,7 +111,8 @@ def claim_pipeline(
     }
     free = "$_lily_free"
     return [
-        {"$set": {"_lily_done": done, "_lily_free": {"$and": [{"$not": [done]}, expired]}}},
+        # ``$ne`` rather than ``$not: [done]``: the same test, in an operator every server supports.
+        {"$set": {"_lily_done": done, "_lily_free": {"$and": [{"$ne": [state, COMPLETED]}, expired]}}},
         {
             "$set": {
                 "handler": handler_id,
@@ -119,9 +121,7 @@ def claim_pipeline(
                 "owner": {"$cond": [free, owner, "$owner"]},
                 "token": {"$cond": [free, {"$add": [{"$ifNull": ["$token", 0]}, 1]}, "$token"]},
                 "expires_at": {"$cond": [free, {"$add": ["$$NOW", lease_ms]}, "$expires_at"]},
-                "purge_at": {
-                    "$cond": [free, {"$add": ["$$NOW", lease_ms + _ms(stale_seconds)]}, "$purge_at"]
-                },
+                "purge_at": {"$cond": [free, {"$add": ["$$NOW", lease_ms + _ms(stale_seconds)]}, "$purge_at"]},
                 "acquisitions": {"$add": [{"$ifNull": ["$acquisitions", 0]}, {"$cond": [free, 1, 0]}]},
                 "deferrals": {
                     "$add": [
@@ -358,4 +358,3 @@ def heartbeat_verdict(*, matched: bool | None, unrenewed_for: float, lease_secon
     if matched is None:
         return Heartbeat.LOST if unrenewed_for > lease_seconds else Heartbeat.RETRY
     return Heartbeat.RENEWED if matched else Heartbeat.LOST
-

@@ -23,6 +23,7 @@ import enum
 import logging
 import signal
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -32,19 +33,19 @@ import aio_pika.abc
 from pymongo.errors import PyMongoError
 
 from ._connect import connect_amqp, redact_url
-from ._tasks import raise_if_cancel_requested
+from ._tasks import TaskSet, raise_if_cancel_requested
 from ._tasks import uncancellable as _uncancellable
 from .errors import ConfigError, LilyError, TransportError
+from .inbox import Inbox, InboxOptions, MongoScope
 from .observe import Snapshot, TerminalObservation
+from .outbox import OutboxRelay
 from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions
-from .runtime import Runtime, TaskSet
+from .runtime import Runtime
 from .settlement import Terminal
 from .topology import declare_topology
 
 if TYPE_CHECKING:
     from pymongo import AsyncMongoClient
-
-    from .inbox import Inbox, InboxOptions
 
 __all__ = ["Consumer", "ManagedConsumer", "ShutdownAction", "ShutdownReport"]
 
@@ -106,6 +107,21 @@ class ShutdownReport:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True, slots=True)
+class ConsumerSettings:
+    """Everything a started consumer needs from its :class:`Consumer`, fixed at start."""
+
+    name: str
+    amqp_url: str
+    mongo_client: AsyncMongoClient[Any] | None
+    database: str | None
+    confirm_timeout: float
+    graceful_timeout: float
+    force_timeout: float
+    inbox: InboxOptions
+    owns_mongo_client: bool
+
+
 class _Steps:
     def __init__(self) -> None:
         self.actions: list[ShutdownAction] = []
@@ -155,20 +171,30 @@ class Consumer:
         ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
                 raise ConfigError(f"{field_name} must be > 0 and <= 3600 seconds, got {value!r}")
-        self._amqp_url = amqp_url
-        self._mongo_client = mongo_client
-        self._database = database
-        self._confirm_timeout = float(confirm_timeout)
-        self._graceful_timeout = float(graceful_timeout)
-        self._force_timeout = float(force_timeout)
-        self._inbox_options = inbox
-        self._owns_mongo_client = owns_mongo_client
+        if inbox is not None and not isinstance(inbox, InboxOptions):
+            raise ConfigError(f"inbox must be an InboxOptions, got {type(inbox).__name__}")
+        self._settings = ConsumerSettings(
+            name=name,
+            amqp_url=amqp_url,
+            mongo_client=mongo_client,
+            database=database,
+            confirm_timeout=float(confirm_timeout),
+            graceful_timeout=float(graceful_timeout),
+            force_timeout=float(force_timeout),
+            inbox=inbox or InboxOptions(),
+            owns_mongo_client=owns_mongo_client,
+        )
         self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
         self._state = State.NEW
         self.name = name
 
     def __repr__(self) -> str:
-        return f"<Consumer name={self.name!r} amqp={redact_url(self._amqp_url)!r} state={self._state.value}>"
+        return f"<Consumer name={self.name!r} amqp={redact_url(self._settings.amqp_url)!r} state={self._state.value}>"
+
+    @property
+    def state(self) -> str:
+        """The lifecycle state: new, starting, running, draining, forcing or stopped."""
+        return self._state.value
 
     def configure_queue(self, name: str, **options: Any) -> QueueOptions:
         """Set a physical queue's options (see :class:`QueueOptions`); bounds checked now."""
@@ -195,8 +221,6 @@ class Consumer:
 
     def plan(self) -> Plan:
         """Check the registrations against every bound and return the plan."""
-        from .inbox import MongoScope
-
         return self._builder.build(MongoScope)
 
     def _require_new(self) -> None:
@@ -208,7 +232,7 @@ class Consumer:
         self._require_new()
         plan = self.plan()
         self._state = State.STARTING
-        managed = ManagedConsumer(self, plan)
+        managed = ManagedConsumer(self._settings, plan, on_stopped=self._stopped)
         try:
             await managed._start()
         except BaseException:
@@ -218,6 +242,9 @@ class Consumer:
             raise
         self._state = State.RUNNING
         return managed
+
+    def _stopped(self) -> None:
+        self._state = State.STOPPED
 
     async def run(self) -> ShutdownReport:
         """Run until the awaiting task is cancelled; then shut down gracefully and re-raise."""
@@ -241,22 +268,24 @@ class Consumer:
 class ManagedConsumer:
     """A started consumer. Its supervisor owns cleanup; waiters only observe."""
 
-    def __init__(self, consumer: Consumer, plan: Plan) -> None:
-        self._consumer = consumer
+    def __init__(self, settings: ConsumerSettings, plan: Plan, *, on_stopped: Callable[[], None]) -> None:
+        self._settings = settings
+        self._on_stopped = on_stopped
         self.plan = plan
         self._tasks = TaskSet()
         self._connection: aio_pika.abc.AbstractConnection | None = None
         self._runtime: Runtime | None = None
         self._inbox: Inbox | None = None
+        self._relay: OutboxRelay | None = None
         self._state = State.STARTING
         self._stop_requested = asyncio.Event()
         self._force_requested = asyncio.Event()
-        self._graceful_timeout = consumer._graceful_timeout
-        self._force_timeout = consumer._force_timeout
+        self._graceful_timeout = settings.graceful_timeout
+        self._force_timeout = settings.force_timeout
         self._supervisor: asyncio.Task[ShutdownReport] = asyncio.get_running_loop().create_future()  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"<ManagedConsumer name={self._consumer.name!r} state={self._state.value}>"
+        return f"<ManagedConsumer name={self._settings.name!r} state={self._state.value}>"
 
     async def __aenter__(self) -> ManagedConsumer:
         return self
@@ -271,52 +300,55 @@ class ManagedConsumer:
         return self._state.value
 
     async def _start(self) -> None:
-        consumer = self._consumer
-        self._connection = await connect_amqp(consumer._amqp_url)
+        settings = self._settings
+        self._connection = await connect_amqp(settings.amqp_url)
         for options in self.plan.queues.values():
             await declare_topology(self._connection, options)  # checks for a cancel between declarations
-        if consumer._mongo_client is not None:
-            from .inbox import Inbox, InboxOptions
-
-            assert consumer._database is not None
+        if settings.mongo_client is not None:
+            assert settings.database is not None
+            inbox_options = settings.inbox
+            database = settings.mongo_client[settings.database]
+            self._relay = OutboxRelay(
+                database[inbox_options.outbox], inbox_options.relay, f"{settings.name[:64]}:{uuid.uuid4().hex[:12]}"
+            )
             self._inbox = Inbox(
-                consumer._mongo_client,
-                consumer._database,
-                consumer._inbox_options or InboxOptions(),
-                owner_prefix=consumer.name,
-                tasks=self._tasks,
-                uses_inbox=self.plan.uses_inbox,
+                settings.mongo_client,
+                settings.database,
+                inbox_options,
+                owner_prefix=settings.name,
+                on_outbox_commit=self._relay.wake,
             )
             try:
                 await self._inbox.prepare()
+                await self._relay.prepare(passive=inbox_options.passive_indexes)
             except PyMongoError as exc:
                 raise TransportError(f"MongoDB refused the inbox set-up: {type(exc).__name__}: {exc}"[:500]) from exc
+            self._inbox.start(self._tasks)
         self._runtime = Runtime(
-            self.plan, self._connection, self._tasks, inbox=self._inbox, confirm_timeout=consumer._confirm_timeout
+            self.plan, self._connection, self._tasks, inbox=self._inbox, confirm_timeout=settings.confirm_timeout
         )
         if isinstance(self._connection, aio_pika.abc.AbstractRobustConnection):
             runtime = self._runtime
             self._connection.reconnect_callbacks.add(lambda *_: runtime.on_reconnect())
         await self._runtime.start()
-        if self._inbox is not None:
-            await self._inbox.start_relay(self._connection, consumer._confirm_timeout)
+        if self._relay is not None and settings.inbox.run_relay:
+            await self._relay.start(self._connection, settings.confirm_timeout, self._tasks)
         raise_if_cancel_requested()  # a cancel the AMQP library absorbed on the way still stops the start
         self._state = State.RUNNING
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="lily-supervisor")
 
     async def _teardown_after_failed_start(self) -> None:
         if self._runtime is not None:
-            self._runtime.accepting = False
             await self._runtime.stop_intake()
-        if self._inbox is not None:
-            await self._inbox.stop_relay(1.0)
+        if self._relay is not None:
+            await self._relay.stop(1.0)
         for task in self._tasks.pending():
             task.cancel()
         await self._tasks.join(self._tasks.pending(), 5.0)
         if self._connection is not None:
             await self._connection.close()
-        if self._consumer._owns_mongo_client and self._consumer._mongo_client is not None:
-            await self._consumer._mongo_client.close()
+        if self._settings.owns_mongo_client and self._settings.mongo_client is not None:
+            await self._settings.mongo_client.close()
         self._state = State.STOPPED
 
     # -- observers ----------------------------------------------------------------------
@@ -365,15 +397,14 @@ class ManagedConsumer:
 
     def snapshot(self) -> Snapshot:
         """Bounded aggregate state: counts only, never payloads, ids, names or endpoints."""
-        runtime = self._runtime
-        outbox = self._inbox.outbox_counts() if self._inbox is not None else (None, None, 0)
+        runtime, relay = self._runtime, self._relay
         return Snapshot(
             state=self._state.value,
             transport_generation=runtime.generation if runtime else 0,
             queues=runtime.snapshots() if runtime else (),
-            outbox_pending=outbox[0],
-            outbox_failed=outbox[1],
-            outbox_published=outbox[2],
+            outbox_pending=relay.pending if relay else None,
+            outbox_failed=relay.failed if relay else None,
+            outbox_published=relay.published if relay else 0,
         )
 
     def delivery_terminal_observations(self) -> tuple[TerminalObservation, ...]:
@@ -391,7 +422,6 @@ class ManagedConsumer:
         assert runtime is not None
         assert self._connection is not None
         steps = _Steps()
-        runtime.shutting_down = True
         self._state = State.DRAINING
 
         async def stop_intake() -> bool:
@@ -424,10 +454,10 @@ class ManagedConsumer:
             async def force() -> bool:
                 # The notice: cancel handler executions, but keep settlement authority
                 # for a cooperative window so work finishing now may still settle.
-                runtime.interrupt_executions()
+                runtime.force_notice()
                 pending = await self._tasks.join(runtime.unsettled(), self._force_timeout)
                 # Then revoke authority and cancel what is left; observe the joins.
-                runtime.revoked = True
+                runtime.revoke()
                 for task in pending:
                     task.cancel()
                 still = await self._tasks.join(pending, self._force_timeout)
@@ -436,24 +466,15 @@ class ManagedConsumer:
                 return not still
 
             await steps.run("force", force)
-        if self._inbox is not None:
-            inbox = self._inbox
+        if self._relay is not None:
+            relay = self._relay
 
             async def relay_stop() -> bool:
-                return await inbox.stop_relay(self._force_timeout)
+                return await relay.stop(self._force_timeout)
 
             await steps.run("relay_stop", relay_stop)
 
-        async def channels_close() -> bool:
-            channels = [qr.channel for qr in runtime.queues.values() if qr.channel is not None]
-            if runtime.handoff_channel is not None:
-                channels.append(runtime.handoff_channel)
-            for channel in channels:
-                if not channel.is_closed:
-                    await channel.close()
-            return all(channel.is_closed for channel in channels)
-
-        await steps.run("channel_close", channels_close)
+        await steps.run("channel_close", runtime.close_channels)
         connection = self._connection
 
         async def connection_close() -> bool:
@@ -471,9 +492,9 @@ class ManagedConsumer:
             return not await self._tasks.join(leftovers, self._force_timeout)
 
         await steps.run("tasks_join", tasks_join)
-        consumer = self._consumer
-        if consumer._owns_mongo_client and consumer._mongo_client is not None:
-            client = consumer._mongo_client
+        settings = self._settings
+        if settings.owns_mongo_client and settings.mongo_client is not None:
+            client = settings.mongo_client
 
             async def mongo_close() -> bool:
                 await client.close()
@@ -483,7 +504,7 @@ class ManagedConsumer:
         settled: collections.Counter[str] = runtime.settled_during_shutdown
         unresolved = settled.get(Terminal.UNRESOLVED.value, 0)
         self._state = State.STOPPED
-        consumer._state = State.STOPPED
+        self._on_stopped()
         succeeded = unresolved == 0 and all(a.ok and a.observed for a in steps.actions if a.name not in ("drain",))
         return ShutdownReport(
             actions=tuple(steps.actions),

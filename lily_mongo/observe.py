@@ -13,7 +13,6 @@ import collections
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 from .bounds import BOUNDS
 
@@ -41,27 +40,16 @@ class TerminalObservation:
 
 
 class ObservationLog:
-    """The last :data:`BOUNDS.terminal_observations` terminal outcomes, oldest first.
-
-    The hot path records plain tuples (in :class:`TerminalObservation` field order);
-    the dataclasses are built only when someone reads the log.
-    """
+    """The last :data:`BOUNDS.terminal_observations` terminal outcomes, oldest first."""
 
     def __init__(self, capacity: int = BOUNDS.terminal_observations) -> None:
-        self._items: collections.deque[TerminalObservation | tuple[object, ...]] = collections.deque(maxlen=capacity)
+        self._items: collections.deque[TerminalObservation] = collections.deque(maxlen=capacity)
 
-    def append(self, observation: TerminalObservation) -> None:
+    def record(self, observation: TerminalObservation) -> None:
         self._items.append(observation)
 
-    def record(self, *fields: object) -> None:
-        """Append one outcome given as :class:`TerminalObservation` fields, in order."""
-        self._items.append(fields)
-
     def items(self) -> tuple[TerminalObservation, ...]:
-        return tuple(
-            item if isinstance(item, TerminalObservation) else TerminalObservation(*item)  # type: ignore[arg-type]
-            for item in self._items
-        )
+        return tuple(self._items)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -107,7 +95,3 @@ class Snapshot:
     outbox_pending: int | None
     outbox_failed: int | None
     outbox_published: int
-
-    @staticmethod
-    def freeze(counts: collections.Counter[str]) -> Mapping[str, int]:
-        return MappingProxyType(dict(counts))

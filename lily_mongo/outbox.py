@@ -26,6 +26,8 @@ from pymongo import ReturnDocument
 from pymongo.errors import PyMongoError
 
 from ._amqp import basic_publish
+from ._mongo import ensure_index
+from ._tasks import TaskSet
 from .errors import PublishError, ScopeClosedError
 from .publisher import CustomPublishContent, TypedPublishing, prepare_publication
 
@@ -122,16 +124,44 @@ class OutboxRelay:
         self._wake = asyncio.Event()
         self._stopping = False
         self._in_publish = False
+        self._task: asyncio.Task[Any] | None = None
+        self._channel: aio_pika.abc.AbstractChannel | None = None
         self.pending: int | None = None
         self.failed: int | None = None
         self.published = 0
 
+    async def prepare(self, *, passive: bool) -> None:
+        """Create the relay's indexes (idempotent), or only verify them in passive mode."""
+        await ensure_index(
+            self._collection, "lily_status_available", [("status", 1), ("available_at", 1)], passive=passive
+        )
+        await ensure_index(
+            self._collection, "lily_expires_at_ttl", [("expires_at", 1)], passive=passive, expireAfterSeconds=0
+        )
+
+    async def start(self, connection: aio_pika.abc.AbstractConnection, confirm_timeout: float, tasks: TaskSet) -> None:
+        """Open the relay's confirming channel and start relaying, a task of the supervisor's."""
+        self._channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        self._task = tasks.spawn(self.run(self._channel, confirm_timeout), name="lily-relay")
+
+    async def stop(self, timeout: float) -> bool:
+        """Stop after the in-flight publish settles or ``timeout`` ends; True if the relay ended."""
+        self._stopping = True
+        self._wake.set()
+        task = self._task
+        ended = True
+        if task is not None:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=timeout)
+            ended = bool(done)
+        if self._channel is not None and not self._channel.is_closed:
+            await self._channel.close()
+        return ended
+
     def wake(self) -> None:
         """Run a relay pass now (called right after a commit that wrote outbox records)."""
-        self._wake.set()
-
-    def stop(self) -> None:
-        self._stopping = True
         self._wake.set()
 
     async def run(self, channel: aio_pika.abc.AbstractChannel, confirm_timeout: float) -> None:

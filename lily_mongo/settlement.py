@@ -15,12 +15,23 @@ application retry.
 
 from __future__ import annotations
 
+import datetime
 import enum
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from ._text import sanitize, truncate_utf8
+from .bounds import BOUNDS
+from .envelope import (
+    FAILED_AT_HEADER,
+    FAILED_QUEUE_HEADER,
+    FAILURE_CODE_HEADER,
+    FAILURE_REASON_HEADER,
+    RETRY_COUNT_HEADER,
+    sanitize_headers,
+)
 from .errors import ErrorCode
 
 __all__ = [
@@ -36,6 +47,7 @@ __all__ = [
     "StepKind",
     "Terminal",
     "decide",
+    "handoff_headers",
     "settle",
 ]
 
@@ -205,6 +217,28 @@ def decide(result: PipelineResult, budget: Budget, evidence: Evidence) -> Step:
     return target
 
 
+def handoff_headers(
+    original: Mapping[str, object], step: Step, *, retry_count: int | None, failed_queue: str
+) -> dict[str, object]:
+    """The header table of a retry or DLQ copy (SPEC section 3).
+
+    The original headers that fit every bound, the same event id, and the failure
+    headers (bounded, sanitized). ``retry_count`` is what ``x-retry-count`` carries:
+    the step's next count on a retry, the original's on a DLQ copy, None to drop it
+    (a copy of a message whose envelope was invalid).
+    """
+    headers, _ = sanitize_headers(original)
+    if retry_count is None:
+        headers.pop(RETRY_COUNT_HEADER, None)
+    else:
+        headers[RETRY_COUNT_HEADER] = retry_count
+    headers[FAILURE_CODE_HEADER] = truncate_utf8(step.code or "", BOUNDS.failure_code_bytes)
+    headers[FAILURE_REASON_HEADER] = sanitize(step.reason, BOUNDS.failure_reason_bytes)
+    headers[FAILED_QUEUE_HEADER] = failed_queue
+    headers[FAILED_AT_HEADER] = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+    return headers
+
+
 # -- the settlement loop ---------------------------------------------------------------------
 
 
@@ -233,9 +267,7 @@ class SettleEffects(Protocol):
 
 
 @functools.cache
-def evidence_of(
-    handoff: HandoffState, settle: SettleState, authority: bool, settled_with: StepKind | None
-) -> Evidence:
+def evidence_of(handoff: HandoffState, settle: SettleState, authority: bool, settled_with: StepKind | None) -> Evidence:
     """Evidence values are immutable and few: one shared instance per combination."""
     return Evidence(handoff, settle, authority, settled_with)
 
@@ -290,8 +322,10 @@ async def settle(
             if not effects.authority():
                 continue  # lost during the pause: decide() now says unresolved
         if await effects.write(kind):
-            evidence = _ACKED if evidence is FRESH and kind is StepKind.ACK else (
-                evidence_of(evidence.handoff, SettleState.SENT, evidence.authority, kind)
+            evidence = (
+                _ACKED
+                if evidence is FRESH and kind is StepKind.ACK
+                else (evidence_of(evidence.handoff, SettleState.SENT, evidence.authority, kind))
             )
         else:
             evidence = evidence_of(evidence.handoff, SettleState.FAILED, evidence.authority, kind)

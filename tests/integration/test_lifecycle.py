@@ -894,7 +894,7 @@ async def test_terminal_observations_keep_the_last_4096(amqp: str, names: Broker
         runtime = managed._runtime
         assert runtime is not None
         for n in range(5000):
-            runtime.observations.append(
+            runtime.observations.record(
                 TerminalObservation(
                     queue="synthetic",
                     handler_id=None,

@@ -37,6 +37,7 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.envelope import validate_envelope
+from lily_mongo._tasks import TaskSet
 from lily_mongo.outbox import OutboxRelay
 from lily_mongo.publisher import JSON, prepare_publication
 from tests.support import (
@@ -121,22 +122,17 @@ def outbox_record(routing_key: str, payload: Any, **fields: Any) -> dict[str, An
 async def relays_running(
     connection: aio_pika.abc.AbstractConnection, relays: list[OutboxRelay]
 ) -> AsyncIterator[list[asyncio.Task[None]]]:
-    """Run relays on their own confirming channels; stop and join them afterwards."""
-    channels = [await connection.channel(publisher_confirms=True, on_return_raises=True) for _ in relays]
-    tasks = [
-        asyncio.create_task(relay.run(channel, 5.0), name=f"test-relay-{i}")
-        for i, (relay, channel) in enumerate(zip(relays, channels, strict=True))
-    ]
+    """Start relays as a consumer does (each on its own confirming channel); stop them afterwards."""
+    owner = TaskSet()
+    for relay in relays:
+        await relay.start(connection, 5.0, owner)
+    tasks = owner.pending()
     try:
-        yield tasks
+        yield list(tasks)
     finally:
         for relay in relays:
-            relay.stop()
-        async with asyncio.timeout(10):
-            await asyncio.gather(*tasks)
-        for channel in channels:
-            if not channel.is_closed:
-                await channel.close()
+            assert await relay.stop(10.0), "a relay did not stop"
+        assert not owner.pending()
 
 
 def event_ids(messages: list[aio_pika.abc.AbstractIncomingMessage]) -> list[str]:
