@@ -398,8 +398,14 @@ class Inbox:
                         f"{options.replay_budget}); last: {replay}",
                     )
                     return execution
-                cap = min(options.backoff_max, options.backoff_base * 2**execution.transient_replays)
-                await asyncio.sleep(random.uniform(0, cap))
+                await asyncio.sleep(
+                    protocol.backoff(
+                        execution.transient_replays,
+                        base=options.backoff_base,
+                        cap=options.backoff_max,
+                        jitter=random.random(),
+                    )
+                )
 
     async def _attempt(
         self, route: HandlerRoute, lease: _Lease, execution: Execution, payload: Any, invoke: Invoke
@@ -475,7 +481,8 @@ class Inbox:
         execution.reconciliations += 1
         options = self._options
         for retry in range(options.commit_retries):
-            await asyncio.sleep(random.uniform(0, min(options.backoff_max, options.backoff_base * 2**retry)))
+            delay = protocol.backoff(retry, base=options.backoff_base, cap=options.backoff_max, jitter=random.random())
+            await asyncio.sleep(delay)
             try:
                 await session.commit_transaction()
                 return _SUCCESS

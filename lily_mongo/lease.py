@@ -42,6 +42,7 @@ __all__ = [
     "ErrorStep",
     "Heartbeat",
     "Reconciled",
+    "backoff",
     "claim_pipeline",
     "claim_transition",
     "classify_error",
@@ -315,6 +316,16 @@ def classify_error(labels: Collection[str], *, in_commit: bool) -> ErrorStep:
     if in_commit:
         return ErrorStep.RETRY_COMMIT if UNKNOWN_COMMIT_LABEL in labels else ErrorStep.REPLAY
     return ErrorStep.REPLAY if TRANSIENT_LABEL in labels else ErrorStep.DEFER
+
+
+def backoff(retry: int, *, base: float, cap: float, jitter: float) -> float:
+    """Seconds to wait before replay or commit retry number ``retry`` (1-based).
+
+    Exponential and capped, with "equal jitter" (``jitter`` drawn from [0, 1)): at least half
+    the step, so a retry never follows at once, and spread so retries do not align.
+    """
+    step = min(cap, base * 2**retry)
+    return step / 2 + step / 2 * jitter
 
 
 def next_after_replay(replays: int, budget: int) -> ErrorStep:

@@ -21,6 +21,7 @@ from typing import Any
 import aio_pika.abc
 import pytest
 from pymongo import AsyncMongoClient
+from pymongo.errors import OperationFailure
 from pymongo.uri_parser import parse_uri
 
 from lily_mongo import (
@@ -41,8 +42,7 @@ from tests.support import BrokerNames, FailPoints, drain, eventually, outcomes, 
 
 Handler = Callable[..., Awaitable[None]]
 
-COMPLETIONS = "lily_inbox"
-LEASES = "lily_leases"
+RECORDS = "lily_inbox"  # one record per (handler, event): the lease and the completion
 EFFECTS = "effects"
 
 
@@ -110,13 +110,13 @@ async def assert_effect_once(client: AsyncMongoClient[Any], database: str, event
     db = client[database]
     effects = await db[EFFECTS].find({"event_id": str(event_id)}).to_list()
     assert len(effects) == 1, effects
-    completions = await db[COMPLETIONS].find({"event_id": str(event_id)}).to_list()
-    assert len(completions) == 1, completions
+    records = await db[RECORDS].find({"event_id": str(event_id)}).to_list()
+    assert [r["state"] for r in records] == ["completed"], records
     counter = await db["counters"].find_one({"_id": "total"})
     assert counter is not None
     assert counter["n"] == 1
-    # After the commit the lease is released (fenced delete).
-    assert await db[LEASES].count_documents({}) == 0
+    # The completed record is the release: no record of any other event is left behind.
+    assert await db[RECORDS].count_documents({}) == 1
 
 
 async def publish(amqp: str, q: str, event_id: uuid.UUID, copies: int = 1, **options: Any) -> None:
@@ -204,12 +204,13 @@ async def test_same_event_twice_runs_the_handler_once(
     assert calls == [event]
     await assert_effect_once(mongo_client, database_name, event)
     assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
-    # Retention (SPEC 5.7): a TTL index on the completion's expiry, set retention_seconds ahead.
-    completions = mongo_client[database_name][COMPLETIONS]
-    completion = await completions.find_one({"event_id": str(event)})
-    assert completion is not None
-    assert (completion["expires_at"] - completion["completed_at"]).total_seconds() == pytest.approx(3600, abs=1)
-    ttl = [i for i in (await completions.index_information()).values() if i["key"] == [("expires_at", 1)]]
+    # Retention (SPEC 5.6): a TTL index on the record's purge time, set retention_seconds ahead.
+    records = mongo_client[database_name][RECORDS]
+    record = await records.find_one({"event_id": str(event)})
+    assert record is not None
+    assert record["state"] == "completed"
+    assert (record["purge_at"] - record["completed_at"]).total_seconds() == pytest.approx(3600, abs=1)
+    ttl = [i for i in (await records.index_information()).values() if i["key"] == [("purge_at", 1)]]
     assert [i.get("expireAfterSeconds") for i in ttl] == [0]
 
 
@@ -218,8 +219,8 @@ async def test_same_event_twice_runs_the_handler_once(
 
 @pytest.mark.parametrize(
     ("command", "collection"),
-    [("insert", EFFECTS), ("update", "counters"), ("insert", COMPLETIONS)],
-    ids=["handler-insert", "handler-update", "completion-insert"],
+    [("insert", EFFECTS), ("update", "counters"), ("update", RECORDS)],
+    ids=["handler-insert", "handler-update", "completion-write"],  # the completion is the transaction's first write
 )
 async def test_transient_error_on_an_operation_replays(
     amqp: str,
@@ -252,7 +253,10 @@ async def test_transient_error_on_an_operation_replays(
     assert observation.outcome == "acked"
     assert observation.transient_replays >= 1
     assert observation.attempts == observation.transient_replays + 1
-    assert len(calls) == observation.attempts  # each replay is one fresh handler call
+    # Each attempt is one fresh handler call, except one failing at the completion write,
+    # which precedes the handler.
+    failed_before_the_handler = 1 if collection == RECORDS else 0
+    assert len(calls) == observation.attempts - failed_before_the_handler
     assert managed.snapshot().queues[0].transient_replays >= 1
     await assert_effect_once(mongo_client, database_name, event)
 
@@ -686,13 +690,14 @@ async def test_held_lease_defers_until_the_bound_then_dead_letters(
     )
     async with running(consumer) as managed:
         # Another live owner holds the lease for an hour.
-        await mongo_client[database_name][LEASES].insert_one(
+        await mongo_client[database_name][RECORDS].insert_one(
             {
                 "_id": key,
+                "state": "leased",
                 "owner": "elsewhere:0:0",
                 "token": 7,
                 "expires_at": now + datetime.timedelta(hours=1),
-                "stale_at": now + datetime.timedelta(hours=2),
+                "purge_at": now + datetime.timedelta(hours=2),
                 "acquisitions": 1,
                 "deferrals": 0,
             }
@@ -713,11 +718,10 @@ async def test_held_lease_defers_until_the_bound_then_dead_letters(
     assert await queue_depth(amqp_channel, q) == 0
     assert await queue_depth(amqp_channel, f"{q}.retry.0") == 0
     db = mongo_client[database_name]
-    lease = await db[LEASES].find_one({"_id": key})
-    assert lease is not None
-    assert (lease["owner"], lease["token"], lease["deferrals"]) == ("elsewhere:0:0", 7, 3)
+    record = await db[RECORDS].find_one({"_id": key})
+    assert record is not None
+    assert (record["state"], record["owner"], record["token"], record["deferrals"]) == ("leased", "elsewhere:0:0", 7, 3)
     assert await db[EFFECTS].count_documents({}) == 0
-    assert await db[COMPLETIONS].count_documents({}) == 0
 
 
 # -- the scope is valid for one attempt only ------------------------------------------------------
@@ -803,8 +807,7 @@ async def test_failure_aborts_releases_the_lease_and_hands_off(
     db = mongo_client[database_name]
     assert await db[EFFECTS].count_documents({}) == 0  # aborted: nothing the handler wrote survived
     assert await db["lily_outbox"].count_documents({}) == 0
-    assert await db[COMPLETIONS].count_documents({}) == 0
-    assert await db[LEASES].count_documents({}) == 0  # released, not left to expire
+    assert await db[RECORDS].count_documents({}) == 0  # released (deleted), not left to expire
     [copy] = await drain(amqp_channel, f"{q}.{destination}")
     assert copy.headers["x-lily-failure-code"] == code
     assert copy.headers["x-lily-event-id"] == str(event)
@@ -815,58 +818,53 @@ async def test_failure_aborts_releases_the_lease_and_hands_off(
 # -- a lost lease cancels the attempt -------------------------------------------------------------
 
 
-async def test_lost_lease_cancels_the_attempt_and_defers(
+async def test_a_lease_taken_over_between_attempts_defers_at_the_next_attempt(
     amqp: str,
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
     names: BrokerNames,
     amqp_channel: aio_pika.abc.AbstractChannel,
 ) -> None:
+    # While its transaction holds the record nobody can take the lease over (MongoDB makes
+    # other writers wait). Between attempts it can: the first attempt meets a transient
+    # error, and during the replay's backoff (at least 1 s here) another owner takes the
+    # record. The next attempt must not run the handler: deferred with LEASE_LOST.
     q = names.queue("lost")
     handler_id = f"{q}/lost"
     event = uuid.uuid4()
     key = f"{handler_id}|{event}"
-    started = asyncio.Event()
-    cancelled: list[bool] = []
     calls: list[uuid.UUID] = []
+    records = mongo_client[database_name][RECORDS]
+    thieves: list[asyncio.Task[Any]] = []
+
+    async def take_over() -> None:
+        expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=0.5)
+        await records.update_one({"_id": key}, {"$set": {"owner": "thief:0:0", "token": 99, "expires_at": expires}})
 
     @queue(q, version=1, content="json", handler_id=handler_id)
     async def handle(event_id: EventId, mongo: MongoScope) -> None:
         calls.append(event_id)
         if len(calls) == 1:
-            started.set()
-            try:
-                await asyncio.sleep(8.0)
-            except asyncio.CancelledError:
-                cancelled.append(True)
-                raise
+            thieves.append(asyncio.create_task(take_over()))  # lands once this transaction ended
+            raise OperationFailure("write conflict", code=112, details={"errorLabels": ["TransientTransactionError"]})
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
 
-    consumer = make_consumer(
-        amqp, mongo_client, database_name, q, handle, inbox=InboxOptions(lease_seconds=0.6, heartbeat_seconds=0.1)
-    )
-    leases = mongo_client[database_name][LEASES]
+    options = InboxOptions(lease_seconds=0.6, heartbeat_seconds=0.1, backoff_base=1.0, backoff_max=2.0)
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options)
     async with running(consumer) as managed:
         await publish(amqp, q, event)
-        await asyncio.wait_for(started.wait(), 5.0)
-        # Someone else takes the lease over (as if ours had expired): the heartbeat's fenced
-        # renewal no longer matches, so the attempt is cancelled and the delivery deferred.
-        expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=0.5)
-        result = await leases.update_one(
-            {"_id": key}, {"$set": {"owner": "thief:0:0", "token": 99, "expires_at": expires}}
-        )
-        assert result.modified_count == 1
-        await eventually(lambda: "acked" in outcomes(managed), timeout=8.0, what="the redelivery to complete")
+        await eventually(lambda: "acked" in outcomes(managed), timeout=10.0, what="the redelivery to complete")
         assert await wait_for_depth(amqp_channel, q, 0) == 0
+    await asyncio.gather(*thieves)
     observations = managed.delivery_terminal_observations()
     assert (observations[0].outcome, observations[0].code) == ("deferred", "LEASE_LOST")
+    assert observations[0].transient_replays == 1
     assert observations[-1].outcome == "acked"
     assert all(o.outcome == "deferred" for o in observations[:-1])
-    assert cancelled == [True]
-    assert len(calls) == 2
-    completion = await mongo_client[database_name][COMPLETIONS].find_one({"_id": key})
-    assert completion is not None
-    assert completion["token"] == 100  # re-acquired after the thief's lease expired
+    assert len(calls) == 2  # the attempt after the takeover never ran the handler
+    record = await records.find_one({"_id": key})
+    assert record is not None
+    assert (record["state"], record["token"]) == ("completed", 100)  # re-claimed once the thief's lease expired
     assert await mongo_client[database_name][EFFECTS].count_documents({}) == 1
 
 
@@ -896,8 +894,8 @@ async def run_timing_out_handler(
         await publish(amqp, q, event)
         await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="the timeout handoff")
         assert await wait_for_depth(channel, f"{q}.retry.0", 1) == 1
-    lease = await client[database][LEASES].find_one({"_id": f"{handler_id}|{event}"})
-    return only(managed), lease
+    record = await client[database][RECORDS].find_one({"_id": f"{handler_id}|{event}"})
+    return only(managed), record
 
 
 async def test_handler_timeout_is_not_counted_as_a_deferral(
@@ -926,5 +924,4 @@ async def test_handler_timeout_aborts_and_frees_the_lease(
     assert (observation.outcome, observation.code) == ("retried", "QUEUE_HANDLER_TIMEOUT")
     db = mongo_client[database_name]
     assert await db[EFFECTS].count_documents({}) == 0
-    assert await db[COMPLETIONS].count_documents({}) == 0
-    assert lease is None or lease.get("owner") is None, lease  # no live owner is left behind
+    assert lease is None or (lease.get("owner") is None and lease.get("state") != "completed"), lease

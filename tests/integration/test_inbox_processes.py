@@ -1,8 +1,8 @@
-"""Scale-out: several consumer replicas coordinating through lease documents (SPEC section 5).
+"""Scale-out: several consumer replicas coordinating through inbox records (SPEC section 5).
 
 The takeover test runs real OS processes (``workers/inbox_worker.py``) and kills
-one with SIGKILL while it holds a lease. The heartbeat test runs two consumers
-in this process, which lets it sample the lease document while the handler runs.
+one with SIGKILL while it holds a lease. The long-handler tests run consumers in
+this process, which lets them sample the record while the handler runs.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from tests.support import BrokerNames, eventually, outcomes, queue_depth, runnin
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "workers" / "inbox_worker.py"
-COMPLETIONS = "lily_inbox"
-LEASES = "lily_leases"
+RECORDS = "lily_inbox"
 EFFECTS = "effects"
 
 
@@ -128,7 +127,7 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
     handler_id = f"{q}/takeover"
     event = uuid.uuid4()
     key = f"{handler_id}|{event}"
-    leases = mongo_client[database_name][LEASES]
+    records = mongo_client[database_name][RECORDS]
     common = ["--mongo-uri", mongo_uri, "--amqp", amqp, "--database", database_name, "--queue", q]
     common += ["--handler-id", handler_id, "--lease-seconds", "1.0"]
     async with workers_in(tmp_path) as workers:
@@ -139,23 +138,24 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
         assert started["handler"] == str(event)
 
         async def held_by_a() -> bool:
-            lease = await leases.find_one({"_id": key})
-            return lease is not None and str(lease.get("owner", "")).startswith("replica-a:")
+            record = await records.find_one({"_id": key})
+            return record is not None and str(record.get("owner", "")).startswith("replica-a:")
 
         await eventually(held_by_a, what="replica A to hold the lease", interval=0.05)
         a.send_signal(signal.SIGKILL)
         assert await a.wait() == -signal.SIGKILL
         # A's lease is still there, unexpired or not: nobody released it.
-        lease_a = await leases.find_one({"_id": key})
+        lease_a = await records.find_one({"_id": key})
         assert lease_a is not None
         assert (lease_a["owner"].split(":")[0], lease_a["token"], lease_a["acquisitions"]) == ("replica-a", 1, 1)
+        assert lease_a["state"] == "leased"  # A's completion write died with its transaction
 
         b = await workers.start("replica-b", *common)
         await workers.wait_for_record("replica-b", "ready")
         db = mongo_client[database_name]
 
         async def completed() -> bool:
-            return await db[COMPLETIONS].count_documents({"_id": key}) == 1
+            return await db[RECORDS].count_documents({"_id": key, "state": "completed"}) == 1
 
         await eventually(completed, what="replica B to complete the event", interval=0.05)
         b.send_signal(signal.SIGTERM)
@@ -170,18 +170,67 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
     assert [r["pid"] for r in workers.records("replica-b") if "handler" in r] == [b.pid]
     effects = await db[EFFECTS].find({"event_id": str(event)}).to_list()
     assert [e["pid"] for e in effects] == [b.pid]  # effect once, by the replica that took over
-    [completion] = await db[COMPLETIONS].find({"_id": key}).to_list()
+    [completion] = await db[RECORDS].find({"_id": key}).to_list()
     assert completion["owner"].startswith("replica-b:")
-    assert completion["token"] == 2  # the same lease document, re-acquired with the next fencing token
-    assert await leases.count_documents({"_id": key}) == 0  # released after the commit
+    assert completion["token"] == 2  # the same record, re-acquired with the next fencing token
+    assert (completion["state"], completion["acquisitions"]) == ("completed", 2)
     assert await wait_for_depth(amqp_channel, q, 0) == 0  # B is gone: anything unacked would be back
     assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
 
 
-# -- heartbeat ------------------------------------------------------------------------------------
+# -- long handlers: the transaction holds the record --------------------------------------------
 
 
-async def test_heartbeat_keeps_a_long_handler_lease_and_defers_a_competing_copy(
+async def test_no_renewal_touches_the_record_while_a_long_handler_transaction_holds_it(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    # A 2.5 s handler with a 1 s lease and a heartbeat every 0.1 s. The transaction's first
+    # write is the completion, so it holds the record from the start; a renewal now would
+    # wait for it on MongoDB, and on the emulator any write between the transaction's first
+    # operation and its commit fails the commit. So: the committed record never changes
+    # while the handler runs, and the commit succeeds at the first try.
+    q = names.queue("long")
+    handler_id = f"{q}/long"
+    event = uuid.uuid4()
+    key = f"{handler_id}|{event}"
+    db = mongo_client[database_name]
+    options = InboxOptions(lease_seconds=1.0, heartbeat_seconds=0.1)
+    loop = asyncio.get_running_loop()
+    started: list[float] = []
+
+    @queue(q, version=1, content="json", handler_id=handler_id)
+    async def slow(event_id: EventId, mongo: MongoScope) -> None:
+        started.append(loop.time())
+        await asyncio.sleep(2.5)
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
+
+    consumer = Consumer(amqp_url=amqp, mongo_client=mongo_client, database=database_name, name="long", inbox=options)
+    consumer.configure_queue(q, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=1, delays=(0.2,)))
+    consumer.include(slow)
+    samples: list[dict[str, Any]] = []
+    async with running(consumer) as managed:
+        await publish(amqp, q, event)
+        await eventually(lambda: bool(started), what="the handler to start")
+        while not outcomes(managed):
+            record = await db[RECORDS].find_one({"_id": key})
+            if record is not None and record.get("state") == "leased":
+                samples.append(record)
+            assert loop.time() - started[0] < 9.0, "the slow handler never completed"
+            await asyncio.sleep(0.05)
+    [observation] = managed.delivery_terminal_observations()
+    assert (observation.outcome, observation.attempts, observation.transient_replays) == ("acked", 1, 0)
+    assert len(samples) >= 20  # sampled through most of the 2.5 s
+    assert len({(s["owner"], s["token"], s["expires_at"]) for s in samples}) == 1  # never renewed meanwhile
+    [record] = await db[RECORDS].find({}).to_list()
+    assert (record["state"], record["token"], record["acquisitions"]) == ("completed", 1, 1)
+    assert await db[EFFECTS].count_documents({"event_id": str(event)}) == 1
+
+
+async def test_a_competing_copy_during_a_long_handler_never_applies_the_event_twice(
     amqp: str,
     mongo_uri: str,
     mongo_client: AsyncMongoClient[Any],
@@ -189,30 +238,29 @@ async def test_heartbeat_keeps_a_long_handler_lease_and_defers_a_competing_copy(
     names: BrokerNames,
     amqp_channel: aio_pika.abc.AbstractChannel,
 ) -> None:
-    # lease_seconds=1 and a handler that takes 3 s: without the heartbeat the lease would
-    # expire twice over and the competing consumer would take over.
-    q = names.queue("heartbeat")
+    # Replica A runs a 3 s handler with a 1 s lease; replica B gets a second copy meanwhile.
+    # On MongoDB, B's claim waits for A's transaction, then finds the event completed. The
+    # emulator has no document locks: B's claim goes through, and once A's lease has expired
+    # B takes the record over; A's commit then fails (the emulator fails a commit after any
+    # concurrent write) and its replay finds the lease gone. Either way the event is applied
+    # exactly once and every delivery ends acked, duplicate or deferred.
+    q = names.queue("compete")
     handler_id = f"{q}/slow"
     event = uuid.uuid4()
     key = f"{handler_id}|{event}"
     db = mongo_client[database_name]
     options = InboxOptions(lease_seconds=1.0, replay_budget=5)
-    calls_a: list[float] = []
-    calls_b: list[float] = []
-    loop = asyncio.get_running_loop()
+    calls_a: list[str] = []
 
     @queue(q, version=1, content="json", handler_id=handler_id)
     async def slow(event_id: EventId, mongo: MongoScope) -> None:
-        calls_a.append(loop.time())
+        calls_a.append(str(event_id))
         if len(calls_a) == 1:
-            # The sleep comes before the transaction's first operation: on the emulator a
-            # heartbeat write inside an open transaction would fail its commit.
             await asyncio.sleep(3.0)
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id), "by": "a"}, session=mongo.session)
 
     @queue(q, version=1, content="json", handler_id=handler_id)
     async def competitor(event_id: EventId, mongo: MongoScope) -> None:
-        calls_b.append(loop.time())
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id), "by": "b"}, session=mongo.session)
 
     def consumer(client: AsyncMongoClient[Any], name: str, handler: Callable[..., Awaitable[None]]) -> Consumer:
@@ -224,41 +272,33 @@ async def test_heartbeat_keeps_a_long_handler_lease_and_defers_a_competing_copy(
         c.include(handler)
         return c
 
-    samples: list[dict[str, Any]] = []
     other: AsyncMongoClient[Any] = AsyncMongoClient(mongo_uri, serverSelectionTimeoutMS=10_000)
     try:
-        async with running(consumer(mongo_client, "hb-a", slow)) as a:
+        async with running(consumer(mongo_client, "race-a", slow)) as a:
             await publish(amqp, q, event)
             await eventually(lambda: len(calls_a) == 1, what="A's handler to start")
-            async with running(consumer(other, "hb-b", competitor)) as b:
+            async with running(consumer(other, "race-b", competitor)) as b:
                 await publish(amqp, q, event)
-                while await db[COMPLETIONS].count_documents({"_id": key}) == 0:
-                    lease = await db[LEASES].find_one({"_id": key})
-                    if lease is not None:
-                        samples.append(lease)
-                    assert loop.time() - calls_a[0] < 9.0, "the slow handler never completed"
-                    await asyncio.sleep(0.05)
-                await eventually(lambda: len(outcomes(a)) + len(outcomes(b)) >= 2 and "duplicate" in outcomes(b))
-                assert await wait_for_depth(amqp_channel, q, 0) == 0
+
+                async def both_copies_done() -> bool:
+                    done = [o for o in outcomes(a) + outcomes(b) if o != "deferred"]
+                    return len(done) == 2 and await wait_for_depth(amqp_channel, q, 0, timeout=0.1) == 0
+
+                await eventually(both_copies_done, timeout=20.0, what="both copies to end", interval=0.1)
     finally:
         await other.close()
 
-    assert outcomes(a) == ["acked"]
-    b_counts = collections.Counter(outcomes(b))
-    assert b_counts["duplicate"] == 1
-    assert b_counts["deferred"] >= 1  # B's copy met A's live lease
-    assert set(b_counts) == {"deferred", "duplicate"}
-    assert {o.code for o in b.delivery_terminal_observations() if o.outcome == "deferred"} == {"LEASE_HELD"}
-    assert calls_b == []  # B never ran the handler
-    # The same owner, token 1 and one acquisition for the whole 3 s; expiry kept moving.
-    assert samples
-    assert {(s["owner"], s["token"], s["acquisitions"]) for s in samples} == {(samples[0]["owner"], 1, 1)}
-    assert samples[0]["owner"].startswith("hb-a:")
-    expiries = sorted({s["expires_at"] for s in samples})
-    assert len(expiries) >= 3, expiries  # renewed several times (every lease_seconds / 3)
-    assert (expiries[-1] - expiries[0]).total_seconds() >= 1.5
+    ends = collections.Counter(o for o in outcomes(a) + outcomes(b) if o != "deferred")
+    assert ends == {"acked": 1, "duplicate": 1}, (outcomes(a), outcomes(b))
+    for managed in (a, b):
+        assert managed.snapshot().queues[0].unresolved == 0
+        assert {o.code for o in managed.delivery_terminal_observations() if o.outcome == "deferred"} <= {
+            "LEASE_HELD",
+            "LEASE_LOST",
+        }
     effects = await db[EFFECTS].find({"event_id": str(event)}).to_list()
-    assert [e["by"] for e in effects] == ["a"]
-    assert await db[COMPLETIONS].count_documents({}) == 1
-    assert await db[LEASES].count_documents({}) == 0
+    assert len(effects) == 1, effects
+    [record] = await db[RECORDS].find({"_id": key}).to_list()
+    assert record["state"] == "completed"
+    assert record["owner"].startswith(f"race-{effects[0]['by']}:")  # the completion is the effect's author
     assert await queue_depth(amqp_channel, f"{q}.dlq") == 0

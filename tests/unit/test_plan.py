@@ -29,10 +29,10 @@ from lily_mongo import (
     RetryCount,
     Text,
 )
+from lily_mongo.dispatch import select_route as dispatch
 from lily_mongo.envelope import Envelope
 from lily_mongo.extractors import PayloadDecodeError, new_raw_delivery
 from lily_mongo.inbox import MongoScope
-from lily_mongo.dispatch import select_route as dispatch
 from lily_mongo.plan import HandlerRoute, Plan, PlanBuilder, QueueOptions, RetryPolicy, queue
 from lily_mongo.topology import topology_names
 
