@@ -324,7 +324,7 @@ def backoff(retry: int, *, base: float, cap: float, jitter: float) -> float:
     Exponential and capped, with "equal jitter" (``jitter`` drawn from [0, 1)): at least half
     the step, so a retry never follows at once, and spread so retries do not align.
     """
-    step = min(cap, base * 2**retry)
+    step: float = min(cap, base * 2.0**retry)
     return step / 2 + step / 2 * jitter
 
 
