@@ -1,0 +1,136 @@
+"""Each update the inbox sends computes, on a real server, what its Python transition says.
+
+:mod:`lily_mongo.lease` writes every step twice: the MongoDB update (on the
+server clock) and the same transition in Python, which the protocol model runs.
+These tests hold the two equal, record state by record state.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient, ReturnDocument
+
+from lily_mongo import lease
+
+LEASE, STALE, RETENTION = 30.0, 3600.0, 7200.0
+HOUR = datetime.timedelta(hours=1)
+
+
+def utcnow() -> datetime.datetime:
+    # Naive UTC with millisecond precision: what the server stores and returns.
+    now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
+    return now.replace(microsecond=now.microsecond // 1000 * 1000)
+
+
+def base(state: str, owner: str | None, expires: datetime.datetime, **extra: Any) -> dict[str, Any]:
+    doc = {
+        "_id": "h|e",
+        "handler": "h",
+        "event_id": "e",
+        "state": state,
+        "owner": owner,
+        "token": 4,
+        "expires_at": expires,
+        "purge_at": expires + HOUR,
+        "acquisitions": 4,
+        "deferrals": 2,
+        "checked_at": expires - HOUR,
+    }
+    doc.update(extra)
+    return doc
+
+
+def records_before() -> dict[str, dict[str, Any] | None]:
+    now = utcnow()
+    return {
+        "absent": None,
+        "held-by-a-live-owner": base("leased", "other:1", now + HOUR),
+        "lease-expired": base("leased", "other:1", now - HOUR),
+        "released-after-a-deferral": base("leased", None, now - HOUR),
+        "completed": base("completed", "other:1", now - HOUR, completed_at=now - HOUR),
+    }
+
+
+@pytest.fixture
+async def records(mongo_client: AsyncMongoClient[Any], database_name: str) -> Any:
+    return mongo_client[database_name]["records"]
+
+
+@pytest.mark.parametrize("case", list(records_before()))
+async def test_the_claim_pipeline_is_the_claim_transition(records: Any, case: str) -> None:
+    before = records_before()[case]
+    if before is not None:
+        await records.insert_one(before)
+    after = await records.find_one_and_update(
+        {"_id": "h|e"},
+        lease.claim_pipeline("h", "e", "me:1", lease_seconds=LEASE, stale_seconds=STALE),
+        upsert=True,
+        return_document=ReturnDocument.AFTER,
+    )
+    # The server's clock at the claim: what the update stored as checked_at (or, for a
+    # completed record, which the claim leaves alone, any time will do).
+    now = after.get("checked_at") or utcnow()
+    expected = lease.claim_transition(
+        before, key="h|e", handler_id="h", event_id="e", owner="me:1", now=now, lease_seconds=LEASE, stale_seconds=STALE
+    )
+    assert after == expected
+    claim = lease.read_claim(after, "me:1")
+    assert (
+        claim.kind
+        is {
+            "absent": lease.ClaimKind.LEASED,
+            "held-by-a-live-owner": lease.ClaimKind.HELD,
+            "lease-expired": lease.ClaimKind.LEASED,
+            "released-after-a-deferral": lease.ClaimKind.LEASED,
+            "completed": lease.ClaimKind.DUPLICATE,
+        }[case]
+    )
+
+
+@pytest.mark.parametrize("fenced", [True, False], ids=["own-lease", "stale-owner"])
+async def test_renewal_completion_and_release_are_their_transitions(
+    mongo_client: AsyncMongoClient[Any], records: Any, fenced: bool
+) -> None:
+    now = utcnow()
+    mine = base("leased", "me:1", now + datetime.timedelta(seconds=5))
+    token = 4 if fenced else 3  # a stale owner carries an older token
+    fence = lease.fence("h|e", "me:1", token)
+
+    await records.insert_one(mine)
+    result = await records.update_one(fence, lease.renewal_update(lease_seconds=LEASE, stale_seconds=STALE))
+    after = await records.find_one({"_id": "h|e"})
+    server_now = after["expires_at"] - datetime.timedelta(seconds=LEASE) if fenced else now
+    expected = lease.renewal_transition(mine, "me:1", token, now=server_now, lease_seconds=LEASE, stale_seconds=STALE)
+    assert (result.matched_count == 1) is fenced
+    assert after == (expected if fenced else mine)
+
+    await records.replace_one({"_id": "h|e"}, mine)
+    async with mongo_client.start_session() as session:
+        await session.start_transaction()
+        result = await records.update_one(fence, lease.completion_update(retention_seconds=RETENTION), session=session)
+        await session.commit_transaction()
+    after = await records.find_one({"_id": "h|e"})
+    expected = lease.completion_transition(
+        mine, "me:1", token, now=after.get("completed_at", now), retention_seconds=RETENTION
+    )
+    assert (result.matched_count == 1) is fenced
+    assert after == (expected if fenced else mine)
+
+    await records.replace_one({"_id": "h|e"}, mine)
+    after = await records.find_one_and_update(
+        fence, lease.deferral_release_update(), return_document=ReturnDocument.AFTER
+    )
+    expected, matched = lease.release_transition(
+        mine, "me:1", token, now=after["expires_at"] if after else now, deferred=True
+    )
+    assert matched is fenced
+    assert after == (expected if fenced else None)
+
+    await records.replace_one({"_id": "h|e"}, mine)
+    result = await records.delete_one(fence)
+    expected, matched = lease.release_transition(mine, "me:1", token, now=now, deferred=False)
+    assert (result.deleted_count == 1) is fenced is matched
+    assert await records.find_one({"_id": "h|e"}) == (None if fenced else mine)
