@@ -1,10 +1,12 @@
-"""Properties of the settlement decision (SPEC section 3), driven like the runtime drives it.
+"""Properties of settlement (SPEC section 3), through the loop the runtime ships.
 
-:func:`lily_mongo.settlement.decide` is asked for a step, a generated effect is
-applied (a handoff publish confirms or fails, a settlement write succeeds or
-fails, authority over the delivery may be lost at any point), the evidence is
-updated exactly as ``Runtime._settle`` updates it, and the loop repeats until
-the step is DONE or UNRESOLVED. Over every outcome, budget and effect sequence:
+:func:`lily_mongo.settlement.settle` is the loop every delivery goes through. Here
+it runs against a simulated world (:class:`World`, its ``SettleEffects``): each
+generated effect decides whether a handoff publish confirms, whether a settlement
+write succeeds, and whether authority over the delivery is lost before the next
+decision or during the step. The loop asks :func:`decide` (watched through its
+injectable ``decide``) until the step is DONE or UNRESOLVED. Over every outcome,
+budget and effect sequence:
 
 (a) no ACK before a required handoff confirm;
 (b) at most one settlement write (ACK / NACK / REJECT) per delivery;
@@ -21,9 +23,12 @@ The expected steps of each decision-table row are also written out literally.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+from collections.abc import Coroutine, Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -39,7 +44,9 @@ from lily_mongo.settlement import (
     SettleState,
     Step,
     StepKind,
+    Terminal,
     decide,
+    settle,
 )
 
 FAST = settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -83,50 +90,125 @@ class Decision:
     seen: Evidence  # the evidence decide() was given
 
 
-@dataclass(slots=True)
-class Delivery:
-    """One delivery settled the way ``Runtime._settle`` settles it."""
+class _NeedEffect:
+    """Yielded by the world when the loop needs the next effect: the driver supplies one."""
 
-    result: PipelineResult
+    def __await__(self) -> Generator[_NeedEffect, None, None]:
+        yield self
+
+
+@dataclass(slots=True)
+class World:
+    """The simulated channel and handoff destination of one delivery (``SettleEffects``)."""
+
     budget: Budget
-    evidence: Evidence = field(default_factory=Evidence)
-    authority: bool = True
-    decisions: list[Decision] = field(default_factory=list)
+    authority_: bool = True
+    queue: collections.deque[Effect] = field(default_factory=collections.deque)
+    current: Effect | None = None  # the effect of the step being decided and performed
     publishes: list[tuple[StepKind, bool]] = field(default_factory=list)  # (kind, confirmed)
     writes: list[tuple[StepKind, bool, bool]] = field(default_factory=list)  # (kind, succeeded, authority)
-    final: Step | None = None
+    blind_writes: list[StepKind] = field(default_factory=list)  # issued after the loss was observable
+    decided: Decision | None = None
+
+    def begin(self, effect: Effect) -> None:
+        """The effect of the next decision; a loss before it lands before the loop looks."""
+        self.current = effect
+        if effect.loss is Loss.BEFORE_DECIDE:
+            self.authority_ = False
+
+    async def _next(self) -> None:
+        while not self.queue:
+            await _NeedEffect()
+        self.begin(self.queue.popleft())
+
+    # -- SettleEffects ---------------------------------------------------------------------
+
+    def authority(self) -> bool:
+        return self.authority_
+
+    async def handoff(self, step: Step, budget: Budget) -> bool:
+        assert self.current is not None
+        confirmed = self.current.publish_confirms  # on the separate confirming handoff channel
+        self.publishes.append((step.kind, confirmed))
+        await self._next()
+        return confirmed
+
+    def dead_letter_fallback(self) -> bool:
+        return self.budget.dead_letter_fallback
+
+    async def pause_before_requeue(self, budget: Budget, evidence: Evidence) -> None:
+        assert self.current is not None
+        if self.current.loss is Loss.BEFORE_EFFECT:
+            self.authority_ = False  # lost during the backoff: the loop looks again
+            await self._next()
+
+    async def write(self, kind: StepKind) -> bool:
+        assert self.current is not None
+        decided_with = self.decided.seen.authority if self.decided is not None else self.authority_
+        if not self.authority_:
+            self.blind_writes.append(kind)  # the loop could have seen the channel was gone
+        if self.current.loss is Loss.BEFORE_EFFECT:
+            self.authority_ = False
+        # A write on a closed channel fails (aiormq raises); the loop records FAILED.
+        succeeded = self.current.write_succeeds and self.authority_
+        self.writes.append((kind, succeeded, decided_with))
+        await self._next()
+        return succeeded
+
+
+class Delivery:
+    """One delivery settled by the shipped :func:`settle` loop in a :class:`World`."""
+
+    def __init__(self, result: PipelineResult, budget: Budget) -> None:
+        self.result = result
+        self.budget = budget
+        self.world = World(budget)
+        self.decisions: list[Decision] = []
+        self.final: Step | None = None
+        self.evidence = Evidence()
+        self._loop: Coroutine[Any, Any, tuple[Step, Evidence]] | None = None
+
+    @property
+    def authority(self) -> bool:
+        return self.world.authority_
+
+    @property
+    def publishes(self) -> list[tuple[StepKind, bool]]:
+        return self.world.publishes
+
+    @property
+    def writes(self) -> list[tuple[StepKind, bool, bool]]:
+        return self.world.writes
 
     @property
     def finished(self) -> bool:
         return self.final is not None
 
+    def _decide(self, result: PipelineResult, budget: Budget, evidence: Evidence) -> Step:
+        step = decide(result, budget, evidence)
+        self.world.decided = Decision(step, evidence)
+        self.decisions.append(self.world.decided)
+        return step
+
     def advance(self, effect: Effect) -> None:
+        """Give the loop one effect and run it until it needs the next one (or ends)."""
         assert self.final is None
-        if effect.loss is Loss.BEFORE_DECIDE:
-            self.authority = False
-        # The runtime passes the current authority into every decision.
-        seen = dataclasses.replace(self.evidence, authority=self.authority)
-        step = decide(self.result, self.budget, seen)
-        self.decisions.append(Decision(step, seen))
-        if step.kind in END:
-            self.final = step
+        if self._loop is None:
+            self.world.begin(effect)
+            self._loop = settle(self.result, self.budget, self.world, decide=self._decide)
+        else:
+            self.world.queue.append(effect)
+        try:
+            need = self._loop.send(None)
+        except StopIteration as done:
+            self.final, self.evidence = done.value
+            self._loop = None
             return
-        if step.kind in PUBLISH:
-            # The copy goes out on the separate confirming handoff channel.
-            self.publishes.append((step.kind, effect.publish_confirms))
-            handoff = HandoffState.CONFIRMED if effect.publish_confirms else HandoffState.FAILED
-            self.evidence = dataclasses.replace(self.evidence, handoff=handoff)
-            return
-        if effect.loss is Loss.BEFORE_EFFECT:
-            self.authority = False
-        if step.kind is StepKind.NACK_REQUEUE and not self.authority:
-            # The runtime re-checks authority after the requeue backoff and asks again.
-            return
-        # A write on a closed channel fails (aio-pika raises); the runtime records FAILED.
-        succeeded = effect.write_succeeds and self.authority
-        self.writes.append((step.kind, succeeded, seen.authority))
-        settle = SettleState.SENT if succeeded else SettleState.FAILED
-        self.evidence = dataclasses.replace(self.evidence, settle=settle, settled_with=step.kind)
+        assert isinstance(need, _NeedEffect)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
 
 
 # -- strategies ----------------------------------------------------------------------------
@@ -219,9 +301,10 @@ def check_delivery(d: Delivery) -> None:
         # a failed write is never repeated: the delivery is unresolved
         if seen.settle is SettleState.FAILED:
             assert step.kind is StepKind.UNRESOLVED, x
-    # (g) every write was decided with authority
+    # (g) every write was decided with authority, and none issued once the loss was observable
     for _, _, authority in d.writes:
         assert authority
+    assert not d.world.blind_writes, d.world.blind_writes
     if d.final is not None:
         check_final(d)
 
@@ -669,3 +752,24 @@ def test_exhausted_reasons_name_the_counts() -> None:
     step = decide(PipelineResult(Outcome.DEFERRED, None, "held"), Budget(deferrals=7, max_deferrals=7), Evidence())
     assert step.code == DEFERRALS_EXHAUSTED
     assert "deferred 7 times (bound 7)" in step.reason
+
+
+@pytest.mark.parametrize("outcome", [Outcome.SUCCESS, Outcome.DUPLICATE])
+def test_the_loop_without_a_watched_decide_takes_the_same_steps(outcome: Outcome) -> None:
+    # The shipped loop answers the common path from precomputed decisions: same steps.
+    from lily_mongo.settlement import SUCCESS
+
+    result = SUCCESS if outcome is Outcome.SUCCESS else PipelineResult(outcome)
+    for watched in (True, False):
+        world = World(Budget())
+        world.begin(OK)
+        world.queue.extend([OK] * LOOP_GUARD)
+        loop = settle(result, Budget(), world) if not watched else settle(result, Budget(), world, decide=decide)
+        with pytest.raises(StopIteration) as done:
+            loop.send(None)
+        step, _ = done.value.value
+        assert (step.kind, step.terminal) == (
+            StepKind.DONE,
+            Terminal.ACKED if outcome is Outcome.SUCCESS else Terminal.DUPLICATE,
+        )
+        assert world.writes == [(StepKind.ACK, True, True)]
