@@ -20,6 +20,7 @@ import orjson
 import pydantic
 
 from ._amqp import basic_publish
+from ._connect import connect_amqp
 from ._text import describe_value
 from .bounds import BOUNDS, utf8_len
 from .envelope import (
@@ -261,8 +262,6 @@ class Publisher(TypedPublishing):
         if self._state is _State.OPEN:
             return
         assert self._url is not None
-        from ._connect import connect_amqp
-
         self._connection = await connect_amqp(self._url)
         try:
             self._channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
