@@ -39,17 +39,59 @@ class TerminalObservation:
     duration: float  # seconds from receipt to the terminal step
 
 
+_Fields = tuple[str, str | None, uuid.UUID | None, str, str | None, str, bool, bool, bool, int, int, int, float, float]
+
+
 class ObservationLog:
-    """The last :data:`BOUNDS.terminal_observations` terminal outcomes, oldest first."""
+    """The last :data:`BOUNDS.terminal_observations` terminal outcomes, oldest first.
+
+    Recorded as plain tuples and turned into :class:`TerminalObservation` values only
+    when read: building the frozen dataclass costs about 7 µs of the 0.1 µs a tuple
+    does, on every delivery (``benchmarks/bench_throughput.py``).
+    """
 
     def __init__(self, capacity: int = BOUNDS.terminal_observations) -> None:
-        self._items: collections.deque[TerminalObservation] = collections.deque(maxlen=capacity)
+        self._items: collections.deque[_Fields] = collections.deque(maxlen=capacity)
 
-    def record(self, observation: TerminalObservation) -> None:
-        self._items.append(observation)
+    def record(
+        self,
+        queue: str,
+        handler_id: str | None,
+        event_id: uuid.UUID | None,
+        outcome: str,
+        code: str | None,
+        reason: str,
+        handoff_confirmed: bool,
+        ack_sent: bool,
+        broker_native: bool,
+        attempts: int,
+        transient_replays: int,
+        reconciliations: int,
+        received_at: float,
+        duration: float,
+    ) -> None:
+        """Record one terminal outcome (the fields of :class:`TerminalObservation`)."""
+        self._items.append(
+            (
+                queue,
+                handler_id,
+                event_id,
+                outcome,
+                code,
+                reason,
+                handoff_confirmed,
+                ack_sent,
+                broker_native,
+                attempts,
+                transient_replays,
+                reconciliations,
+                received_at,
+                duration,
+            )
+        )
 
     def items(self) -> tuple[TerminalObservation, ...]:
-        return tuple(self._items)
+        return tuple(TerminalObservation(*fields) for fields in self._items)
 
     def __len__(self) -> int:
         return len(self._items)

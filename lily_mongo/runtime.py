@@ -43,7 +43,7 @@ from .bounds import BOUNDS
 from .dispatch import Prepared, invoke, prepare
 from .envelope import DELIVERY_COUNT_HEADER, Envelope
 from .errors import ErrorCode, PublishError
-from .observe import ObservationLog, QueueCounters, QueueSnapshot, TerminalObservation
+from .observe import ObservationLog, QueueCounters, QueueSnapshot
 from .plan import Plan, QueueOptions
 from .settlement import (
     NO_BUDGET,
@@ -550,22 +550,20 @@ class Runtime:
         else:
             reason = execution.result.reason
         self.observations.record(
-            TerminalObservation(
-                queue=qr.options.name,
-                handler_id=state.handler_id,
-                event_id=state.envelope.event_id if state.envelope else None,
-                outcome=terminal,
-                code=(step.code if step is not None else None) or execution.result.code,
-                reason=truncate_utf8(reason, _REASON_BYTES),
-                handoff_confirmed=evidence.handoff is HandoffState.CONFIRMED,
-                ack_sent=evidence.settled_with is StepKind.ACK and evidence.settle is SettleState.SENT,
-                broker_native=evidence.settled_with is StepKind.REJECT,
-                attempts=execution.attempts,
-                transient_replays=execution.transient_replays,
-                reconciliations=execution.reconciliations,
-                received_at=state.received_at,
-                duration=time.monotonic() - state.started,
-            )
+            queue=qr.options.name,
+            handler_id=state.handler_id,
+            event_id=state.envelope.event_id if state.envelope else None,
+            outcome=terminal,
+            code=(step.code if step is not None else None) or execution.result.code,
+            reason=truncate_utf8(reason, _REASON_BYTES),
+            handoff_confirmed=evidence.handoff is HandoffState.CONFIRMED,
+            ack_sent=evidence.settled_with is StepKind.ACK and evidence.settle is SettleState.SENT,
+            broker_native=evidence.settled_with is StepKind.REJECT,
+            attempts=execution.attempts,
+            transient_replays=execution.transient_replays,
+            reconciliations=execution.reconciliations,
+            received_at=state.received_at,
+            duration=time.monotonic() - state.started,
         )
 
     # -- deadlines ----------------------------------------------------------------------

@@ -895,22 +895,20 @@ async def test_terminal_observations_keep_the_last_4096(amqp: str, names: Broker
         assert runtime is not None
         for n in range(5000):
             runtime.observations.record(
-                TerminalObservation(
-                    queue="synthetic",
-                    handler_id=None,
-                    event_id=None,
-                    outcome="acked",
-                    code=None,
-                    reason="",
-                    handoff_confirmed=False,
-                    ack_sent=True,
-                    broker_native=False,
-                    attempts=n,
-                    transient_replays=0,
-                    reconciliations=0,
-                    received_at=0.0,
-                    duration=0.0,
-                )
+                queue="synthetic",
+                handler_id=None,
+                event_id=None,
+                outcome="acked",
+                code=None,
+                reason="",
+                handoff_confirmed=False,
+                ack_sent=True,
+                broker_native=False,
+                attempts=n,
+                transient_replays=0,
+                reconciliations=0,
+                received_at=0.0,
+                duration=0.0,
             )
         observations = managed.delivery_terminal_observations()
         assert len(observations) == 4096
