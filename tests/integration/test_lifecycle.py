@@ -208,7 +208,7 @@ async def test_cancel_start_while_connecting_leaves_nothing_running(
         assert await _broker_connection_pids(connection_name) == []
         assert new_tasks(before) == set()
         assert await consumer_count(amqp_connection, q) in (None, 0)
-        assert "state=stopped" in repr(consumer)
+        assert consumer.state == "stopped"
     finally:
         await _close_leaked_connections(before)
 
@@ -246,7 +246,7 @@ async def test_cancel_start_while_declaring_a_large_topology_tears_down(
         assert new_tasks(before) == set()
         for q in queues:
             assert await consumer_count(amqp_connection, q) in (None, 0)
-        assert "state=stopped" in repr(consumer)
+        assert consumer.state == "stopped"
         with pytest.raises(ValueError, match="stopped"):
             await consumer.start()
     finally:
@@ -275,7 +275,7 @@ async def test_cancel_run_drains_in_flight_work_before_propagating(
 
     consumer.include(handler)
     run = asyncio.create_task(consumer.run())
-    await eventually(lambda: "state=running" in repr(consumer), what="the consumer to run")
+    await eventually(lambda: consumer.state == "running", what="the consumer to run")
     async with Publisher(amqp) as publisher:
         event_id = await publisher.publish_json(q, {"n": 1}, version=1)
     async with asyncio.timeout(10):
@@ -290,7 +290,7 @@ async def test_cancel_run_drains_in_flight_work_before_propagating(
     assert finished == [event_id]
     assert await queue_depth(amqp_channel, q) == 0  # ACKed: an unacked delivery would be back in the queue
     assert await consumer_count(amqp_connection, q) == 0
-    assert "state=stopped" in repr(consumer)
+    assert consumer.state == "stopped"
 
 
 async def test_run_with_cancellation_event_returns_a_successful_report(
@@ -311,7 +311,7 @@ async def test_run_with_cancellation_event_returns_a_successful_report(
     consumer.include(handler)
     stop = asyncio.Event()
     run = asyncio.create_task(consumer.run_with_cancellation(stop))
-    await eventually(lambda: "state=running" in repr(consumer), what="the consumer to run")
+    await eventually(lambda: consumer.state == "running", what="the consumer to run")
     async with Publisher(amqp) as publisher:
         event_id = await publisher.publish_json(q, {"n": 1}, version=1)
     await eventually(lambda: seen == [event_id], what="the delivery")
@@ -347,7 +347,7 @@ async def test_cancel_run_with_cancellation_after_the_event_still_waits_for_the_
     consumer.include(handler)
     stop = asyncio.Event()
     run = asyncio.create_task(consumer.run_with_cancellation(stop))
-    await eventually(lambda: "state=running" in repr(consumer), what="the consumer to run")
+    await eventually(lambda: consumer.state == "running", what="the consumer to run")
     async with Publisher(amqp) as publisher:
         event_id = await publisher.publish_json(q, {"n": 1}, version=1)
     async with asyncio.timeout(10):
@@ -358,9 +358,9 @@ async def test_cancel_run_with_cancellation_after_the_event_still_waits_for_the_
     with pytest.raises(asyncio.CancelledError):
         await run
     finished_when_cancel_surfaced = list(finished)
-    stopped_when_cancel_surfaced = "state=stopped" in repr(consumer)
+    stopped_when_cancel_surfaced = consumer.state == "stopped"
     # Hygiene: let a shutdown that went on in the background finish before asserting.
-    await eventually(lambda: "state=stopped" in repr(consumer), what="the shutdown to end")
+    await eventually(lambda: consumer.state == "stopped", what="the shutdown to end")
     assert finished_when_cancel_surfaced == [event_id]
     assert stopped_when_cancel_surfaced
     assert await queue_depth(amqp_channel, q) == 0
