@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import logging
 import random
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from bson import Binary
 from pymongo import ReturnDocument
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from pymongo.asynchronous.client_session import AsyncClientSession
     from pymongo.asynchronous.collection import AsyncCollection
 
-__all__ = ["Outbox", "OutboxRelay", "RelayOptions"]
+__all__ = ["Outbox", "OutboxRelay", "RelayOptions", "Send"]
 
 log = logging.getLogger("lily_mongo")
 T = TypeVar("T")
@@ -114,6 +115,36 @@ class RelayOptions:
     published_retention: float = 7 * 24 * 3600.0
 
 
+class Send(Protocol):
+    """Publish one outbox record's message, mandatory and confirmed; raise unless it was accepted."""
+
+    def __call__(
+        self, *, exchange: str, routing_key: str, body: bytes, headers: dict[str, Any], content_type: str | None
+    ) -> Awaitable[None]: ...
+
+
+async def _send_on(
+    channel: aio_pika.abc.AbstractChannel,
+    timeout: float,
+    *,
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    headers: dict[str, Any],
+    content_type: str | None,
+) -> None:
+    underlay = await channel.get_underlay_channel()
+    await basic_publish(
+        underlay,
+        exchange=exchange,
+        routing_key=routing_key,
+        body=body,
+        headers=headers,
+        content_type=content_type,
+        timeout=timeout,
+    )
+
+
 class OutboxRelay:
     """Publishes committed outbox records; one per consumer, owned by its supervisor."""
 
@@ -187,9 +218,23 @@ class OutboxRelay:
                 continue
             self._in_publish = True
             try:
-                await self._publish(record, channel, confirm_timeout)
+                await self._publish(record, functools.partial(_send_on, channel, confirm_timeout))
             finally:
                 self._in_publish = False
+
+    async def drain(self, send: Send) -> int:
+        """Claim and publish through ``send`` until no record is available; returns how many were sent.
+
+        For in-process transports (:class:`lily_mongo.testing.TestConsumer`): the same claim,
+        publish and mark steps as :meth:`run`, without a channel.
+        """
+        sent = 0
+        while (record := await self._claim()) is not None:
+            published = self.published
+            await self._publish(record, send)
+            sent += self.published - published
+        await self._refresh_counts()
+        return sent
 
     async def _refresh_counts(self) -> None:
         try:
@@ -221,18 +266,15 @@ class OutboxRelay:
         )
         return record
 
-    async def _publish(self, record: dict[str, Any], channel: aio_pika.abc.AbstractChannel, timeout: float) -> None:
+    async def _publish(self, record: dict[str, Any], send: Send) -> None:
         fence = {"_id": record.get("_id"), "claim_token": record.get("claim_token")}
         try:
-            underlay = await channel.get_underlay_channel()
-            await basic_publish(
-                underlay,
+            await send(
                 exchange=record["exchange"],
                 routing_key=record["routing_key"],
                 body=bytes(record["body"]),
                 headers=record["headers"],
                 content_type=record.get("content_type"),
-                timeout=timeout,
             )
         except Exception as exc:
             # Any failure of one record (broker refusal, a record that cannot be encoded

@@ -28,9 +28,9 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aio_pika
 import aio_pika.abc
@@ -40,7 +40,7 @@ from ._amqp import InboundMessage, republish
 from ._tasks import TaskSet
 from ._text import truncate_utf8
 from .bounds import BOUNDS
-from .dispatch import Prepared, invoke, prepare
+from .dispatch import Inbound, Prepared, invoke, prepare
 from .envelope import DELIVERY_COUNT_HEADER, Envelope
 from .errors import ErrorCode, PublishError
 from .observe import ObservationLog, QueueCounters, QueueSnapshot
@@ -65,13 +65,36 @@ if TYPE_CHECKING:
     from .extractors import RawDelivery
     from .inbox import Inbox, MongoScope
 
-__all__ = ["Phase", "Runtime"]
+__all__ = ["Handoff", "Phase", "Received", "Runtime"]
 
 log = logging.getLogger("lily_mongo")
 
 _COUNTER_MEMORY = 4096
 _UNRESOLVED = Terminal.UNRESOLVED.value
 _REASON_BYTES = BOUNDS.failure_reason_bytes
+
+
+class _ChannelState(Protocol):
+    @property
+    def is_closed(self) -> bool: ...
+
+
+class Received(Inbound, Protocol):
+    """One received delivery as the engine reads and settles it (:class:`_amqp.InboundMessage`,
+    or an in-process transport's message): each settlement method is called at most once."""
+
+    @property
+    def message_id(self) -> str | None: ...
+    @property
+    def channel(self) -> _ChannelState: ...
+    async def ack(self) -> None: ...
+    async def nack(self, *, requeue: bool = True) -> None: ...
+    async def reject(self, *, requeue: bool = False) -> None: ...
+
+
+Handoff = Callable[[Received, str, Mapping[str, Any]], Awaitable[None]]
+"""``handoff(message, routing_key, headers)``: publish a retry or DLQ copy of ``message``,
+mandatory and confirmed, raising :class:`PublishError` unless the destination accepted it."""
 
 
 class Phase(enum.Enum):
@@ -125,7 +148,7 @@ class _Delivery:
 
     runtime: Runtime
     qr: QueueRuntime
-    message: InboundMessage
+    message: Received
     received_at: float = dataclasses.field(default_factory=time.time)
     started: float = dataclasses.field(default_factory=time.monotonic)
     envelope: Envelope | None = None
@@ -192,14 +215,18 @@ class Runtime:
     def __init__(
         self,
         plan: Plan,
-        connection: aio_pika.abc.AbstractConnection,
+        connection: aio_pika.abc.AbstractConnection | None,
         tasks: TaskSet,
         *,
         inbox: Inbox | None,
         confirm_timeout: float,
+        handoff: Handoff | None = None,
     ) -> None:
+        """``connection`` is the AMQP connection to consume from; None for an in-process
+        transport, which feeds :meth:`deliver` and passes its own ``handoff``."""
         self.plan = plan
         self.connection = connection
+        self._handoff: Handoff = handoff or self._handoff_on_channel
         self.tasks = tasks
         self.inbox = inbox
         self.confirm_timeout = confirm_timeout
@@ -217,8 +244,33 @@ class Runtime:
         return self.phase is Phase.RUNNING
 
     # -- start / intake -----------------------------------------------------------------
+    def open_in_process(self) -> None:
+        """Accept deliveries through :meth:`deliver` (an in-process transport; no AMQP)."""
+        self.phase = Phase.RUNNING
+        self.tasks.spawn(self._sweep_deadlines(), name="lily-deadlines")
+
+    async def deliver(self, queue: str, message: Received) -> None:
+        """Run one delivery of ``queue`` to its end in this task, like a consumed one.
+
+        For in-process transports: it takes one of the queue's permits (the caller keeps
+        within the queue's concurrency) and records the outcome in the observations.
+        """
+        qr = self.queues[queue]
+        qr.counters.received += 1
+        qr.free_permits -= 1
+        qr.in_flight += 1
+        state = _Delivery(self, qr, message)
+        task = asyncio.current_task()
+        assert task is not None
+        self.deliveries[task] = state
+        try:
+            await self._deliver(state)
+        finally:
+            self.deliveries.pop(task, None)
+
     async def start(self) -> None:
         """Open the handoff channel and one consuming channel per queue; start intake."""
+        assert self.connection is not None
         self._transport = getattr(self.connection, "transport", None)
         self.handoff_channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
         self.phase = Phase.RUNNING
@@ -503,7 +555,7 @@ class Runtime:
         return await settle(result, budget, state)
 
     async def publish_handoff(
-        self, qr: QueueRuntime, message: InboundMessage, envelope: Envelope | None, step: Step, budget: Budget
+        self, qr: QueueRuntime, message: Received, envelope: Envelope | None, step: Step, budget: Budget
     ) -> None:
         """Publish the retry or DLQ copy of ``message`` on the confirming handoff channel."""
         options = qr.options
@@ -515,6 +567,11 @@ class Runtime:
             routing_key = options.dlq_name
             retry_count = envelope.retry_count if envelope is not None else None
         headers = handoff_headers(message.headers, step, retry_count=retry_count, failed_queue=options.name)
+        await self._handoff(message, routing_key, headers)
+
+    async def _handoff_on_channel(self, message: Received, routing_key: str, headers: Mapping[str, Any]) -> None:
+        """The AMQP handoff: a copy through the default exchange on the confirming handoff channel."""
+        assert isinstance(message, InboundMessage)
         channel = self.handoff_channel
         if channel is None or channel.is_closed:
             raise PublishError("closed", "the handoff channel is closed")
@@ -623,12 +680,12 @@ def _bump(counts: collections.OrderedDict[bytes, int], key: bytes) -> int:
     return counts[key]
 
 
-def _channel_alive(message: InboundMessage) -> bool:
+def _channel_alive(message: Received) -> bool:
     """True while the delivery's own channel (its transport generation) is open."""
     return not message.channel.is_closed
 
 
-def _failure_key(message: InboundMessage, envelope: Envelope | None) -> bytes:
+def _failure_key(message: Received, envelope: Envelope | None) -> bytes:
     """Identity of a delivery across redeliveries, for the handoff-failure and deferral counters."""
     if envelope is not None:
         return envelope.event_id.bytes
