@@ -319,7 +319,7 @@ def classify_error(labels: Collection[str], *, in_commit: bool) -> ErrorStep:
 
 
 def backoff(retry: int, *, base: float, cap: float, jitter: float) -> float:
-    """Seconds to wait before replay or commit retry number ``retry`` (1-based).
+    """Seconds to wait before a replay or a commit retry; ``retry`` counts the ones before it.
 
     Exponential and capped, with "equal jitter" (``jitter`` drawn from [0, 1)): at least half
     the step, so a retry never follows at once, and spread so retries do not align.

@@ -196,6 +196,11 @@ class Consumer:
         """The lifecycle state: new, starting, running, draining, forcing or stopped."""
         return self._state.value
 
+    @property
+    def settings(self) -> ConsumerSettings:
+        """The consumer's settings (frozen): what a started consumer, or a test consumer, runs with."""
+        return self._settings
+
     def configure_queue(self, name: str, **options: Any) -> QueueOptions:
         """Set a physical queue's options (see :class:`QueueOptions`); bounds checked now."""
         self._require_new()

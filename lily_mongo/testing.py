@@ -1,0 +1,445 @@
+"""Test your handlers without RabbitMQ: the real pipeline in-process, fault injection, an idempotence check.
+
+:class:`TestConsumer` runs a :class:`~lily_mongo.Consumer`'s own plan through the
+same engine a started consumer uses (envelope validation, dispatch, extractors,
+middleware and guards, the inbox protocol against the consumer's MongoDB, the
+settlement loop); only the AMQP transport is replaced. What would have been
+published (retry copies, DLQ copies, outbox messages) is recorded in
+:attr:`TestConsumer.published`::
+
+    async with TestConsumer(consumer) as tc:
+        result = await tc.publish_json("orders.created", {"order_id": "o1"}, version=1)
+        assert result.outcome == "acked"
+
+:class:`Faults` injects MongoDB's own failures with ``configureFailPoint``
+(``failCommand``), and :func:`check_idempotent` proves that duplicates,
+concurrent copies and faulted attempts leave the database as one clean
+delivery per event would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from pymongo.errors import OperationFailure
+
+from . import lease
+from ._tasks import TaskSet
+from .envelope import EVENT_ID_HEADER, FAILED_QUEUE_HEADER
+from .errors import ConfigError, LilyError
+from .inbox import Inbox
+from .lifecycle import Consumer
+from .observe import TerminalObservation
+from .outbox import OutboxRelay
+from .publisher import BINARY, JSON, TEXT, CustomPublishContent, prepare_publication
+from .runtime import Received, Runtime
+
+if TYPE_CHECKING:
+    from pymongo import AsyncMongoClient
+    from pymongo.asynchronous.database import AsyncDatabase
+
+__all__ = [
+    "DeliveryResult",
+    "FaultInjectionUnsupported",
+    "Faults",
+    "PublishedMessage",
+    "TestConsumer",
+    "check_idempotent",
+]
+
+_MAX_REDELIVERIES = 50
+# Outcomes after which the broker would not deliver that copy again.
+_SETTLED = frozenset({"acked", "duplicate", "retried", "dead_lettered", "broker_dead_lettered"})
+
+
+class FaultInjectionUnsupported(LilyError):
+    """The MongoDB server refuses ``configureFailPoint`` (MongoDB needs ``enableTestCommands=1``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedMessage:
+    """A message the consumer would have published: a retry or DLQ copy, or an outbox message."""
+
+    kind: Literal["retry", "dlq", "outbox"]
+    exchange: str
+    routing_key: str
+    headers: Mapping[str, Any]
+    body: bytes
+    content_type: str | None
+
+    @property
+    def event_id(self) -> str | None:
+        value = self.headers.get(EVENT_ID_HEADER)
+        return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryResult:
+    """How one in-process delivery ended: its terminal ``outcome`` and failure ``code``."""
+
+    observation: TerminalObservation
+    settlement: str | None  # the settlement written: "ack", "nack_requeue", "reject" or None
+
+    @property
+    def outcome(self) -> str:
+        """A :class:`~lily_mongo.settlement.Terminal` value: acked, duplicate, retried, dead_lettered, ..."""
+        return self.observation.outcome
+
+    @property
+    def code(self) -> str | None:
+        return self.observation.code
+
+    @property
+    def reason(self) -> str:
+        return self.observation.reason
+
+    @property
+    def event_id(self) -> uuid.UUID | None:
+        return self.observation.event_id
+
+
+class _OpenChannel:
+    is_closed = False
+
+
+@dataclass(slots=True, eq=False)
+class _Message:
+    """One in-process delivery, settled at most once like an AMQP one."""
+
+    queue: str
+    headers: dict[str, Any]
+    body: bytes
+    content_type: str | None = None
+    redelivered: bool = False
+    exchange: str = ""
+    message_id: str | None = None
+    channel: _OpenChannel = dataclasses.field(default_factory=_OpenChannel)
+    settled: str | None = None
+
+    @property
+    def routing_key(self) -> str:
+        return self.queue
+
+    def _settle(self, how: str) -> None:
+        if self.settled is not None:
+            raise RuntimeError(f"delivery already settled with {self.settled}; refusing {how}")
+        self.settled = how
+
+    async def ack(self) -> None:
+        self._settle("ack")
+
+    async def nack(self, *, requeue: bool = True) -> None:
+        self._settle("nack_requeue" if requeue else "reject")
+
+    async def reject(self, *, requeue: bool = False) -> None:
+        self._settle("nack_requeue" if requeue else "reject")
+
+
+class TestConsumer:
+    """A consumer's plan running in-process against its MongoDB, with the AMQP transport recorded.
+
+    ``database`` overrides the consumer's database (the inbox records, the outbox and
+    ``MongoScope.database`` all live there). Deliveries run one at a time unless the
+    test runs several ``publish_*`` calls concurrently (``asyncio.gather``).
+    """
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, consumer: Consumer, *, database: str | None = None, relay_outbox: bool = True) -> None:
+        self._consumer = consumer
+        self._settings = consumer.settings
+        self._database = database or self._settings.database
+        self._relay_outbox = relay_outbox
+        self._tasks = TaskSet()
+        self._runtime: Runtime | None = None
+        self._relay: OutboxRelay | None = None
+        self._retries_delivered = 0
+        self.published: list[PublishedMessage] = []
+        """Every retry copy, DLQ copy and relayed outbox message, in order."""
+        self.requeued: list[_Message] = []
+        """Deliveries that ended with a requeue (deferred, handoff failed): the broker would redeliver them."""
+
+    async def __aenter__(self) -> TestConsumer:
+        plan = self._consumer.plan()
+        settings = self._settings
+        inbox: Inbox | None = None
+        if settings.mongo_client is not None:
+            assert self._database is not None
+            options = settings.inbox
+            inbox = Inbox(settings.mongo_client, self._database, options, owner_prefix=f"{settings.name}:test")
+            self._relay = OutboxRelay(
+                settings.mongo_client[self._database][options.outbox], options.relay, f"{settings.name}:test"
+            )
+            await inbox.prepare()
+            await self._relay.prepare(passive=options.passive_indexes)
+            inbox.start(self._tasks)
+        self._runtime = Runtime(
+            plan, None, self._tasks, inbox=inbox, confirm_timeout=settings.confirm_timeout, handoff=self._handoff
+        )
+        self._runtime.open_in_process()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        pending = self._tasks.pending()
+        for task in pending:
+            task.cancel()
+        await self._tasks.join(pending, self._settings.force_timeout)
+
+    @property
+    def database(self) -> AsyncDatabase[Any]:
+        """The database the handlers write to (``MongoScope.database``)."""
+        client = self._settings.mongo_client
+        if client is None or self._database is None:
+            raise ConfigError("this consumer has no mongo_client")
+        return client[self._database]
+
+    @property
+    def observations(self) -> tuple[TerminalObservation, ...]:
+        return self._runtime.observations.items() if self._runtime is not None else ()
+
+    # -- publishing into the consumer --------------------------------------------------------
+
+    async def publish[T](
+        self, content: CustomPublishContent[T], queue: str, payload: T, *, version: int, **options: Any
+    ) -> DeliveryResult:
+        """Encode like :class:`~lily_mongo.Publisher` does, then deliver to ``queue`` and return the result."""
+        publication = prepare_publication(content, queue, payload, version=version, **options)
+        return await self.publish_raw(
+            queue, headers=publication.headers, body=publication.body, content_type=publication.content_type
+        )
+
+    async def publish_json(self, queue: str, payload: Any, *, version: int, **options: Any) -> DeliveryResult:
+        return await self.publish(JSON, queue, payload, version=version, **options)
+
+    async def publish_text(self, queue: str, payload: str, *, version: int, **options: Any) -> DeliveryResult:
+        return await self.publish(TEXT, queue, payload, version=version, **options)
+
+    async def publish_binary(self, queue: str, payload: bytes, *, version: int, **options: Any) -> DeliveryResult:
+        return await self.publish(BINARY, queue, payload, version=version, **options)
+
+    async def publish_raw(
+        self,
+        queue: str,
+        *,
+        headers: Mapping[str, Any],
+        body: bytes,
+        content_type: str | None = None,
+        redelivered: bool = False,
+    ) -> DeliveryResult:
+        """Deliver exactly these headers and body (any contract case, valid or not)."""
+        return await self._deliver(_Message(queue, dict(headers), body, content_type, redelivered))
+
+    async def _deliver(self, message: _Message) -> DeliveryResult:
+        runtime = self._runtime
+        if runtime is None:
+            raise LilyError("use the TestConsumer as an async context manager")
+        if message.queue not in runtime.queues:
+            raise ConfigError(f"queue {message.queue!r} has no handler in this consumer")
+        before = len(runtime.observations)
+        await runtime.deliver(message.queue, message)
+        observation = runtime.observations.items()[before] if len(runtime.observations) > before else None
+        assert observation is not None, "the delivery recorded no terminal observation"
+        if message.settled == "nack_requeue":
+            self.requeued.append(message)
+        if self._relay_outbox:
+            await self.relay_outbox()
+        return DeliveryResult(observation, message.settled)
+
+    # -- what the broker would do next -------------------------------------------------------
+
+    async def relay_outbox(self) -> int:
+        """Publish every committed outbox record (recorded in :attr:`published`); returns how many."""
+        if self._relay is None:
+            return 0
+        return await self._relay.drain(self._record_outbox)
+
+    async def deliver_retries(self) -> list[DeliveryResult]:
+        """Deliver the retry copies recorded so far to their queues, without the buckets' delays."""
+        results: list[DeliveryResult] = []
+        while True:
+            copies = [m for m in self.published if m.kind == "retry"]
+            if self._retries_delivered >= len(copies):
+                return results
+            copy = copies[self._retries_delivered]
+            self._retries_delivered += 1
+            queue = str(copy.headers.get(FAILED_QUEUE_HEADER, ""))
+            results.append(
+                await self._deliver(_Message(queue, dict(copy.headers), copy.body, copy.content_type, False))
+            )
+
+    async def redeliver_requeued(self) -> list[DeliveryResult]:
+        """Deliver the requeued deliveries again (``redelivered=True``), as the broker would."""
+        pending, self.requeued = self.requeued, []
+        return [
+            await self._deliver(_Message(m.queue, m.headers, m.body, m.content_type, True, m.exchange)) for m in pending
+        ]
+
+    async def hold_lease(self, handler_id: str, event_id: uuid.UUID, *, seconds: float = 3600) -> None:
+        """Make another, live owner hold the lease of (handler, event) for ``seconds``: copies are deferred."""
+        now = datetime.datetime.now(datetime.UTC)
+        key = lease.record_key(handler_id, event_id)
+        await self.database[self._settings.inbox.records].replace_one(
+            {"_id": key},
+            {
+                "_id": key,
+                "handler": handler_id,
+                "event_id": str(event_id),
+                "state": lease.LEASED,
+                "owner": "elsewhere:test:0",
+                "token": 1,
+                "expires_at": now + datetime.timedelta(seconds=seconds),
+                "purge_at": now + datetime.timedelta(seconds=seconds + 3600),
+                "acquisitions": 1,
+                "deferrals": 0,
+            },
+            upsert=True,
+        )
+
+    # -- the recorded transport --------------------------------------------------------------
+
+    async def _handoff(self, message: Received, routing_key: str, headers: Mapping[str, Any]) -> None:
+        kind: Literal["retry", "dlq"] = "dlq" if routing_key.endswith(".dlq") else "retry"
+        self.published.append(
+            PublishedMessage(kind, "", routing_key, dict(headers), bytes(message.body), message.content_type)
+        )
+
+    async def _record_outbox(
+        self, *, exchange: str, routing_key: str, body: bytes, headers: dict[str, Any], content_type: str | None
+    ) -> None:
+        self.published.append(PublishedMessage("outbox", exchange, routing_key, dict(headers), body, content_type))
+
+
+class Faults:
+    """MongoDB failures for a test, through the server's own ``configureFailPoint failCommand``.
+
+    The embedded MongoDB-wire server supports it; MongoDB does when started with
+    ``--setParameter enableTestCommands=1``; a server that refuses it raises
+    :class:`FaultInjectionUnsupported`. Each method replaces the previous failpoint.
+    """
+
+    def __init__(self, client: AsyncMongoClient[Any]) -> None:
+        self._client = client
+
+    async def _set(self, commands: Iterable[str], *, times: int, labels: Iterable[str], code: int) -> None:
+        data: dict[str, Any] = {"failCommands": list(commands), "errorCode": code, "errorLabels": list(labels)}
+        try:
+            await self._client.admin.command(
+                {"configureFailPoint": "failCommand", "mode": {"times": times}, "data": data}
+            )
+        except OperationFailure as exc:
+            raise FaultInjectionUnsupported(
+                f"the server refused configureFailPoint ({exc.code}); MongoDB needs enableTestCommands=1"
+            ) from exc
+
+    async def transient_operations(self, times: int = 1, commands: Iterable[str] = ("insert", "delete")) -> None:
+        """The next ``times`` of ``commands`` fail with ``WriteConflict`` and ``TransientTransactionError``.
+
+        ``update`` is left out by default: the inbox's completion is the transaction's first
+        write (an update), and a failure there replays before the handler ran at all.
+        """
+        await self._set(commands, times=times, labels=[lease.TRANSIENT_LABEL], code=112)
+
+    async def transient_commits(self, times: int = 1) -> None:
+        """The next ``times`` commits fail (not applied) with ``TransientTransactionError``: the attempt replays."""
+        await self._set(["commitTransaction"], times=times, labels=[lease.TRANSIENT_LABEL], code=112)
+
+    async def ambiguous_commits(self, times: int = 1) -> None:
+        """The next ``times`` commits answer ``UnknownTransactionCommitResult`` (the server does not apply them).
+
+        The inbox retries the commit, then reconciles from the record. A commit that applies
+        but whose reply is lost cannot be made by ``failCommand`` (it fails before the commit);
+        the library's own tests cut the reply on the network for that case.
+        """
+        await self._set(["commitTransaction"], times=times, labels=[lease.UNKNOWN_COMMIT_LABEL], code=50)
+
+    async def clear(self) -> None:
+        await self._client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
+
+
+async def _settle_all(tc: TestConsumer, results: list[DeliveryResult]) -> list[DeliveryResult]:
+    """Redeliver requeued copies until every delivery reached a final outcome (bounded)."""
+    for _ in range(_MAX_REDELIVERIES):
+        if not tc.requeued:
+            return results
+        results += await tc.redeliver_requeued()
+    raise AssertionError(f"deliveries still requeued after {_MAX_REDELIVERIES} redeliveries")
+
+
+async def check_idempotent(
+    consumer: Consumer,
+    queue: str,
+    payloads: Iterable[Any],
+    read_state: Callable[[AsyncDatabase[Any]], Awaitable[Any]],
+    *,
+    version: int = 1,
+    content: CustomPublishContent[Any] = JSON,
+) -> None:
+    """Assert that duplicates, concurrent copies and faulted attempts change nothing a clean run would not.
+
+    Each payload becomes one event. A clean run delivers every event once into a fresh
+    database (and its retry copies, without their delays). A rough run, in another
+    fresh database, delivers every event under a fault (a transient commit, a transient
+    error on a write, an unknown commit result, in turn), then a duplicate copy, then
+    two concurrent copies, and redelivers whatever was requeued and every retry copy.
+    ``read_state(database)`` returns what the test cares about; the two runs' states
+    must be equal. A clean delivery that does not succeed fails the check too: on a
+    server that conflicts globally (the embedded emulator) a write outside the
+    attempt's session fails the attempt's own commit every time, so such a handler
+    fails the clean run there; on MongoDB it fails the comparison. Both databases are
+    dropped afterwards. Needs a server that
+    supports ``configureFailPoint`` (see :class:`Faults`).
+    """
+    settings = consumer.settings
+    client = settings.mongo_client
+    if client is None:
+        raise ConfigError("check_idempotent needs a consumer with a mongo_client")
+    events = [(uuid.uuid4(), payload) for payload in payloads]
+    base = f"lily_idem_{uuid.uuid4().hex[:10]}"
+    clean_name, rough_name = f"{base}_clean", f"{base}_rough"
+    faults = Faults(client)
+    try:
+        async with TestConsumer(consumer, database=clean_name) as clean:
+            for event_id, payload in events:
+                result = await clean.publish(content, queue, payload, version=version, event_id=event_id)
+                result = ([result, *await clean.deliver_retries()])[-1]
+                if result.outcome not in _SETTLED:
+                    raise AssertionError(
+                        f"check_idempotent: a clean delivery (no duplicate, no fault) of event {event_id} ended "
+                        f"{result.outcome} ({result.code}: {result.reason}); the handler must succeed on its own first"
+                    )
+        clean_state = await read_state(client[clean_name])
+        async with TestConsumer(consumer, database=rough_name) as rough:
+            results: list[DeliveryResult] = []
+            # A transient commit first: it replays a handler whose writes all happened, the case
+            # that exposes a write made outside the attempt's session.
+            inject = (faults.transient_commits, faults.transient_operations, faults.ambiguous_commits)
+            for n, (event_id, payload) in enumerate(events):
+                await inject[n % len(inject)](1)
+                try:
+                    results.append(await rough.publish(content, queue, payload, version=version, event_id=event_id))
+                finally:
+                    await faults.clear()
+                results.append(await rough.publish(content, queue, payload, version=version, event_id=event_id))
+                results += await asyncio.gather(
+                    rough.publish(content, queue, payload, version=version, event_id=event_id),
+                    rough.publish(content, queue, payload, version=version, event_id=event_id),
+                )
+            await _settle_all(rough, results)
+            await rough.deliver_retries()
+            await _settle_all(rough, results)
+        rough_state = await read_state(client[rough_name])
+        if rough_state != clean_state:
+            raise AssertionError(
+                "check_idempotent: the handler is not idempotent under duplicates and faults:\n"
+                f"  one clean delivery per event: {clean_state!r}\n"
+                f"  with duplicates and faults:   {rough_state!r}"
+            )
+    finally:
+        await client.drop_database(clean_name)
+        await client.drop_database(rough_name)

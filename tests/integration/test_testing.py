@@ -1,0 +1,195 @@
+"""lily_mongo.testing: the real pipeline in-process against MongoDB, with no RabbitMQ in the loop.
+
+Every consumer here points at a closed AMQP port: a test passing proves the broker was never needed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pydantic
+import pytest
+from pymongo import AsyncMongoClient
+
+from lily_mongo import (
+    Consumer,
+    EventId,
+    Json,
+    MongoScope,
+    QueueHandlerError,
+    RetryCount,
+    RetryPolicy,
+    queue,
+)
+from lily_mongo.testing import Faults, TestConsumer, check_idempotent
+
+NO_BROKER = "amqp://guest:guest@127.0.0.1:1/"
+
+
+class Order(pydantic.BaseModel):
+    order_id: str
+    total: int
+
+
+def orders_consumer(client: AsyncMongoClient[Any], database: str, *handlers: Any) -> Consumer:
+    consumer = Consumer(amqp_url=NO_BROKER, name="orders", mongo_client=client, database=database)
+    consumer.configure_queue("orders", retry=RetryPolicy(max_retries=2, delays=(5.0, 60.0)))
+    consumer.include(*handlers)
+    return consumer
+
+
+@queue("orders", version=1, handler_id="orders.v1")
+async def apply_order(order: Json[Order], event_id: EventId, retries: RetryCount, mongo: MongoScope) -> None:
+    if order.total <= 0:
+        raise QueueHandlerError.permanent("ORDER_INVALID", "total must be positive")
+    if order.order_id.startswith("flaky") and retries == 0:
+        raise QueueHandlerError.retryable("PAYMENT_DOWN", "gateway 503")
+    await mongo.database["orders"].insert_one({"_id": order.order_id, "total": order.total}, session=mongo.session)
+    await mongo.outbox.publish_json("orders.confirmed", {"order_id": order.order_id}, version=1)
+
+
+async def test_a_valid_event_is_acked_applied_once_and_its_copy_is_a_duplicate(
+    mongo_client: AsyncMongoClient[Any], database_name: str
+) -> None:
+    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
+        event = uuid.uuid4()
+        first = await tc.publish_json("orders", {"order_id": "o1", "total": 5}, version=1, event_id=event)
+        second = await tc.publish_json("orders", {"order_id": "o1", "total": 5}, version=1, event_id=event)
+        assert (first.outcome, first.code, first.settlement) == ("acked", None, "ack")
+        assert (second.outcome, second.settlement) == ("duplicate", "ack")
+        assert await tc.database["orders"].find({}).to_list() == [{"_id": "o1", "total": 5}]
+        # The outbox message was relayed (recorded), once, with the canonical envelope.
+        [confirmed] = [m for m in tc.published if m.kind == "outbox"]
+        assert confirmed.routing_key == "orders.confirmed"
+        assert confirmed.headers["x-lily-schema-version"] == "1"
+        assert confirmed.body == b'{"order_id":"o1"}'
+
+
+async def test_a_permanent_failure_is_dead_lettered_with_its_code_and_the_copy_is_inspectable(
+    mongo_client: AsyncMongoClient[Any], database_name: str
+) -> None:
+    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
+        event = uuid.uuid4()
+        result = await tc.publish_json("orders", {"order_id": "o2", "total": 0}, version=1, event_id=event)
+        assert (result.outcome, result.code) == ("dead_lettered", "ORDER_INVALID")
+        [copy] = tc.published
+        assert (copy.kind, copy.routing_key) == ("dlq", "orders.dlq")
+        assert copy.headers["x-lily-failure-code"] == "ORDER_INVALID"
+        assert copy.headers["x-lily-event-id"] == str(event)
+        assert copy.headers["x-lily-failed-queue"] == "orders"
+        assert await tc.database["orders"].count_documents({}) == 0
+
+
+async def test_a_retryable_failure_makes_a_retry_copy_that_deliver_retries_runs_with_the_next_count(
+    mongo_client: AsyncMongoClient[Any], database_name: str
+) -> None:
+    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
+        result = await tc.publish_json("orders", {"order_id": "flaky-1", "total": 3}, version=1)
+        assert (result.outcome, result.code) == ("retried", "PAYMENT_DOWN")
+        [copy] = tc.published
+        assert (copy.kind, copy.routing_key, copy.headers["x-retry-count"]) == ("retry", "orders.retry.0", 1)
+        [retried] = await tc.deliver_retries()
+        assert retried.outcome == "acked"
+        assert await tc.deliver_retries() == []  # each copy is delivered once
+        assert await tc.database["orders"].count_documents({"_id": "flaky-1"}) == 1
+
+
+async def test_contract_cases_go_through_the_same_checks(
+    mongo_client: AsyncMongoClient[Any], database_name: str
+) -> None:
+    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
+        no_envelope = await tc.publish_raw("orders", headers={}, body=b"{}")
+        assert (no_envelope.outcome, no_envelope.code) == ("dead_lettered", "QUEUE_ENVELOPE_INVALID")
+        wrong_version = await tc.publish_json("orders", {"order_id": "x", "total": 1}, version=9)
+        assert wrong_version.code == "QUEUE_SCHEMA_VERSION_UNSUPPORTED"
+        bad_body = await tc.publish_json("orders", {"order_id": "x"}, version=1)
+        assert bad_body.code == "QUEUE_PAYLOAD_DECODE_FAILED"
+        text = await tc.publish_text("orders", "hello", version=1)
+        assert text.code == "QUEUE_CONTENT_KIND_UNSUPPORTED"
+
+
+async def test_an_injected_transient_error_replays(
+    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Any
+) -> None:
+    faults = Faults(mongo_client)
+    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
+        await faults.transient_operations(1)
+        try:
+            result = await tc.publish_json("orders", {"order_id": "o3", "total": 1}, version=1)
+        finally:
+            await faults.clear()
+        assert result.outcome == "acked"
+        assert (result.observation.attempts, result.observation.transient_replays) == (2, 1)
+        assert await tc.database["orders"].count_documents({"_id": "o3"}) == 1
+
+
+async def test_an_injected_ambiguous_commit_is_reconciled(
+    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Any
+) -> None:
+    faults = Faults(mongo_client)
+    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
+        await faults.ambiguous_commits(1)
+        try:
+            result = await tc.publish_json("orders", {"order_id": "o4", "total": 1}, version=1)
+        finally:
+            await faults.clear()
+        assert result.outcome == "acked"
+        assert (result.observation.attempts, result.observation.reconciliations) == (1, 1)
+        assert await tc.database["orders"].count_documents({"_id": "o4"}) == 1
+
+
+async def test_a_lease_held_elsewhere_defers_without_running_the_handler(
+    mongo_client: AsyncMongoClient[Any], database_name: str
+) -> None:
+    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
+        event = uuid.uuid4()
+        await tc.hold_lease("orders.v1", event, seconds=60)
+        result = await tc.publish_json("orders", {"order_id": "o5", "total": 1}, version=1, event_id=event)
+        assert (result.outcome, result.code, result.settlement) == ("deferred", "LEASE_HELD", "nack_requeue")
+        assert len(tc.requeued) == 1
+        assert await tc.database["orders"].count_documents({}) == 0
+
+
+# -- check_idempotent -------------------------------------------------------------------------------
+
+
+async def ledger(database: Any) -> list[tuple[str, int]]:
+    return sorted((doc["_id"], doc["total"]) for doc in await database["ledger"].find({}).to_list())
+
+
+@queue("ledger", version=1, handler_id="ledger.v1")
+async def correct_ledger(order: Json[Order], mongo: MongoScope) -> None:
+    await mongo.database["ledger"].update_one(
+        {"_id": "all"}, {"$inc": {"total": order.total}}, upsert=True, session=mongo.session
+    )
+
+
+@queue("ledger", version=1, handler_id="ledger.v1")
+async def leaky_ledger(order: Json[Order], mongo: MongoScope) -> None:
+    # The bug check_idempotent exists for: a write outside the attempt's session
+    # survives the attempt's abort and is made again by the replay.
+    await mongo.database["ledger"].update_one({"_id": "all"}, {"$inc": {"total": order.total}}, upsert=True)
+
+
+def ledger_consumer(client: AsyncMongoClient[Any], handler: Any) -> Consumer:
+    consumer = Consumer(amqp_url=NO_BROKER, name="ledger", mongo_client=client, database="unused")
+    consumer.include(handler)
+    return consumer
+
+
+PAYLOADS = [{"order_id": f"o{n}", "total": n + 1} for n in range(3)]
+
+
+async def test_check_idempotent_passes_a_correct_handler(mongo_client: AsyncMongoClient[Any], failpoints: Any) -> None:
+    await check_idempotent(ledger_consumer(mongo_client, correct_ledger), "ledger", PAYLOADS, ledger)
+
+
+async def test_check_idempotent_finds_a_handler_that_writes_outside_its_session(
+    mongo_client: AsyncMongoClient[Any], failpoints: Any
+) -> None:
+    # On MongoDB the replayed write doubles the ledger ("not idempotent"); the emulator fails
+    # the attempt's commit on the write outside the session every time, so the clean run
+    # itself cannot succeed. Either way the handler is refused.
+    with pytest.raises(AssertionError, match=r"check_idempotent: (the handler is not idempotent|a clean delivery)"):
+        await check_idempotent(ledger_consumer(mongo_client, leaky_ledger), "ledger", PAYLOADS, ledger)
