@@ -18,11 +18,63 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import signal
+import subprocess
 import sys
 from typing import Any
 
-__all__ = ["main", "serve"]
+__all__ = ["EmbeddedServer", "available", "main", "serve"]
+
+
+def available() -> bool:
+    """True when the embedded server can run here (``mongoeco`` installed: the ``embedded`` extra)."""
+    return importlib.util.find_spec("mongoeco") is not None
+
+
+class EmbeddedServer:
+    """The embedded server in a subprocess on a free loopback port; a context manager.
+
+    Used by the pytest plugin (``lily_mongo.pytest_plugin``), the demo and the test suite.
+    """
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[str] | None = None
+        self.uri = ""
+
+    def __enter__(self) -> EmbeddedServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> str:
+        """Start it and return its MongoDB URI once it accepts connections."""
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "lily_mongo.embedded", "--port", "0"], stdout=subprocess.PIPE, text=True
+        )
+        assert self._process.stdout is not None
+        line = self._process.stdout.readline()
+        if not line.startswith("READY "):
+            self.stop()
+            raise RuntimeError(f"the embedded MongoDB-wire server did not start: {line.strip()!r}")
+        self.uri = line.split(None, 1)[1].strip()
+        return self.uri
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 def _patch_commit_failpoints() -> None:

@@ -17,7 +17,8 @@ import aio_pika.abc
 import pytest
 from pymongo import AsyncMongoClient
 
-from tests.support import BrokerNames, EmbeddedMongo, FailPoints, amqp_url
+from lily_mongo.embedded import EmbeddedServer
+from tests.support import BrokerNames, FailPoints, amqp_url
 
 
 @pytest.fixture(scope="session")
@@ -26,12 +27,8 @@ def mongo_uri() -> Iterator[str]:
     if configured:
         yield configured
         return
-    server = EmbeddedMongo()
-    server.start()
-    try:
+    with EmbeddedServer() as server:
         yield server.uri
-    finally:
-        server.stop()
 
 
 @pytest.fixture

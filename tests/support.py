@@ -6,9 +6,6 @@ import asyncio
 import contextlib
 import inspect
 import os
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,40 +23,6 @@ DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
 def amqp_url() -> str:
     return os.environ.get("LILY_AMQP_URL", DEFAULT_AMQP_URL)
-
-
-class EmbeddedMongo:
-    """The mongoeco wire server in a subprocess on a free loopback port."""
-
-    def __init__(self) -> None:
-        self.process: subprocess.Popen[str] | None = None
-        self.uri = ""
-
-    def start(self, timeout: float = 60.0) -> str:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "lily_mongo.embedded", "--port", "0"],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.process.stdout is not None
-        deadline = time.monotonic() + timeout
-        line = self.process.stdout.readline()
-        if not line.startswith("READY ") or time.monotonic() > deadline:
-            self.stop()
-            raise RuntimeError(f"embedded MongoDB-wire server did not start: {line!r}")
-        self.uri = line.split(None, 1)[1].strip()
-        return self.uri
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.process is not None and self.process.stdout is not None:
-            self.process.stdout.close()
 
 
 @dataclass
