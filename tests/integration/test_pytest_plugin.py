@@ -18,7 +18,7 @@ async def save(note: Json[dict], mongo: MongoScope) -> None:
     await mongo.database["notes"].insert_one({"text": note["text"]}, session=mongo.session)
 
 def make(client, database):
-    consumer = Consumer(amqp_url="amqp://guest:guest@127.0.0.1:1/", name="notes", mongo_client=client, database=database)
+    consumer = Consumer(amqp_url="amqp://127.0.0.1:1/", name="notes", mongo_client=client, database=database)
     consumer.include(save)
     return consumer
 
