@@ -26,6 +26,7 @@ import aiormq.exceptions
 from pamqp import commands as spec
 from pamqp import common, encode
 
+from .bounds import RETRY_COUNT_HEADER
 from .errors import PublishError
 
 __all__ = [
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 # Headers always written as signed 32-bit LongInt (SPEC section 2).
-LONG_INT_HEADERS: frozenset[str] = frozenset({"x-retry-count"})
+LONG_INT_HEADERS: frozenset[str] = frozenset({RETRY_COUNT_HEADER})
 _LONG_INT = struct.Struct(">i")
 
 

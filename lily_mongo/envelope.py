@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ._text import describe_key, describe_value
-from .bounds import BOUNDS, HANDOFF_HEADER_KEYS, utf8_len
+from .bounds import BOUNDS, HANDOFF_HEADER_KEYS, RETRY_COUNT_HEADER, utf8_len
 from .errors import EnvelopeError, ErrorCode
 
 __all__ = [
@@ -37,7 +37,6 @@ __all__ = [
 EVENT_ID_HEADER = "x-lily-event-id"
 SCHEMA_VERSION_HEADER = "x-lily-schema-version"
 CONTENT_KIND_HEADER = "x-lily-content-kind"
-RETRY_COUNT_HEADER = "x-retry-count"
 TRACEPARENT_HEADER = "traceparent"
 TRACESTATE_HEADER = "tracestate"
 
