@@ -26,25 +26,25 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import aio_pika.abc
+from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
+from ._checks import check_amqp_url, check_bool, check_seconds
 from ._connect import connect_amqp, redact_url
 from ._tasks import raise_if_cancel_requested
 from ._tasks import uncancellable as _uncancellable
+from ._text import describe_value
+from .bounds import utf8_len
 from .errors import ConfigError, LilyError, TransportError
+from .inbox import Inbox, InboxOptions
 from .observe import Snapshot, TerminalObservation
 from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions
 from .runtime import Runtime, TaskSet
 from .settlement import Terminal
 from .topology import declare_topology
-
-if TYPE_CHECKING:
-    from pymongo import AsyncMongoClient
-
-    from .inbox import Inbox, InboxOptions
 
 __all__ = ["Consumer", "ManagedConsumer", "ShutdownAction", "ShutdownReport"]
 
@@ -123,6 +123,21 @@ class _Steps:
         return observed
 
 
+# MongoDB database names: at most 63 bytes, none of these characters (MongoDB's naming restrictions).
+_DATABASE_NAME_BYTES = 63
+_DATABASE_NAME_FORBIDDEN = frozenset('/\\. "$\x00')
+
+
+def _check_database_name(database: object) -> None:
+    if not isinstance(database, str) or not database:
+        raise ConfigError(f"database is required with a mongo_client: a name, got {describe_value(database)}")
+    if utf8_len(database) > _DATABASE_NAME_BYTES or _DATABASE_NAME_FORBIDDEN.intersection(database):
+        raise ConfigError(
+            f"database must be a MongoDB database name of 1..{_DATABASE_NAME_BYTES} bytes without any of "
+            f'/ \\ . space " $ or NUL, got {describe_value(database, 70)}'
+        )
+
+
 class Consumer:
     """A RabbitMQ consumer whose handlers may run in MongoDB transactions (SPEC section 7).
 
@@ -144,23 +159,27 @@ class Consumer:
         inbox: InboxOptions | None = None,
         owns_mongo_client: bool = False,
     ) -> None:
-        if not isinstance(amqp_url, str) or not amqp_url:
-            raise ConfigError("amqp_url must be a non-empty AMQP URL")
-        if mongo_client is not None and not database:
-            raise ConfigError("database is required when a mongo_client is given")
-        for field_name, value in (
-            ("confirm_timeout", confirm_timeout),
-            ("graceful_timeout", graceful_timeout),
-            ("force_timeout", force_timeout),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
-                raise ConfigError(f"{field_name} must be > 0 and <= 3600 seconds, got {value!r}")
+        check_amqp_url("amqp_url", amqp_url)
+        if mongo_client is not None and not isinstance(mongo_client, AsyncMongoClient):
+            raise ConfigError(f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}")
+        if mongo_client is None:
+            given_without = (("database", database), ("inbox", inbox), ("owns_mongo_client", owns_mongo_client))
+            for field_name, given in given_without:
+                if given is not None and given is not False:
+                    raise ConfigError(f"{field_name} needs a mongo_client, got {describe_value(given)} without one")
+        else:
+            _check_database_name(database)
+        if inbox is not None and not isinstance(inbox, InboxOptions):
+            raise ConfigError(f"inbox must be an InboxOptions, got {describe_value(inbox)}")
+        check_bool("owns_mongo_client", owns_mongo_client)
         self._amqp_url = amqp_url
         self._mongo_client = mongo_client
         self._database = database
-        self._confirm_timeout = float(confirm_timeout)
-        self._graceful_timeout = float(graceful_timeout)
-        self._force_timeout = float(force_timeout)
+        self._confirm_timeout = check_seconds("confirm_timeout", confirm_timeout, low=0, high=3600, low_inclusive=False)
+        self._graceful_timeout = check_seconds(
+            "graceful_timeout", graceful_timeout, low=0, high=3600, low_inclusive=False
+        )
+        self._force_timeout = check_seconds("force_timeout", force_timeout, low=0, high=3600, low_inclusive=False)
         self._inbox_options = inbox
         self._owns_mongo_client = owns_mongo_client
         self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
@@ -276,8 +295,6 @@ class ManagedConsumer:
         for options in self.plan.queues.values():
             await declare_topology(self._connection, options)  # checks for a cancel between declarations
         if consumer._mongo_client is not None:
-            from .inbox import Inbox, InboxOptions
-
             assert consumer._database is not None
             self._inbox = Inbox(
                 consumer._mongo_client,

@@ -26,7 +26,8 @@ from pymongo import ReturnDocument
 from pymongo.errors import PyMongoError
 
 from ._amqp import basic_publish
-from .errors import PublishError, ScopeClosedError
+from ._checks import check_int, check_seconds
+from .errors import ConfigError, PublishError, ScopeClosedError
 from .publisher import CustomPublishContent, TypedPublishing, prepare_publication
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ class Outbox(TypedPublishing):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RelayOptions:
-    """How the outbox relay claims, publishes and retries records."""
+    """How the outbox relay claims, publishes and retries records; bounds checked at construction."""
 
     poll_interval: float = 1.0
     claim_seconds: float = 30.0
@@ -110,6 +111,26 @@ class RelayOptions:
     backoff_base: float = 0.5
     backoff_max: float = 60.0
     published_retention: float = 7 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        # A poll period near zero is a busy loop against the database; a backoff cap below
+        # its base would shorten every delay to the cap.
+        seconds = {
+            "poll_interval": check_seconds("RelayOptions.poll_interval", self.poll_interval, low=0.01, high=3600),
+            "claim_seconds": check_seconds("RelayOptions.claim_seconds", self.claim_seconds, low=0.1, high=86400),
+            "backoff_base": check_seconds("RelayOptions.backoff_base", self.backoff_base, low=0.001, high=3600),
+            "published_retention": check_seconds(
+                "RelayOptions.published_retention", self.published_retention, low=60, high=366 * 86400
+            ),
+        }
+        check_int("RelayOptions.max_attempts", self.max_attempts, 1, 1000)
+        seconds["backoff_max"] = check_seconds("RelayOptions.backoff_max", self.backoff_max, low=0.001, high=86400)
+        if seconds["backoff_max"] < seconds["backoff_base"]:
+            raise ConfigError(
+                f"RelayOptions.backoff_max must be >= backoff_base ({self.backoff_base!r}), got {self.backoff_max!r}"
+            )
+        for name, value in seconds.items():
+            object.__setattr__(self, name, value)
 
 
 class OutboxRelay:

@@ -20,6 +20,7 @@ import orjson
 import pydantic
 
 from ._amqp import basic_publish
+from ._checks import check_amqp_url, check_callable, check_seconds
 from ._text import describe_value
 from .bounds import BOUNDS, utf8_len
 from .envelope import (
@@ -90,6 +91,7 @@ class CustomPublishContent[T]:
         problem = check_content_kind(self.kind)
         if problem is not None:
             raise ConfigError(f"CustomPublishContent.kind {problem}")
+        check_callable("CustomPublishContent.encode", self.encode)
         if not isinstance(self.content_type, str) or not self.content_type or utf8_len(self.content_type) > 255:
             raise ConfigError(
                 f"CustomPublishContent.content_type must be 1..255 bytes, got {describe_value(self.content_type)}"
@@ -236,8 +238,11 @@ class Publisher(TypedPublishing):
     ) -> None:
         if (amqp_url is None) == (channel is None):
             raise ConfigError("Publisher needs exactly one of amqp_url or channel")
-        if not confirm_timeout > 0:
-            raise ConfigError(f"confirm_timeout must be > 0 seconds, got {confirm_timeout!r}")
+        if amqp_url is not None:
+            check_amqp_url("amqp_url", amqp_url)
+        if channel is not None and not isinstance(channel, aio_pika.abc.AbstractChannel):
+            raise ConfigError(f"channel must be an aio-pika channel, got {describe_value(channel)}")
+        confirm_timeout = check_seconds("confirm_timeout", confirm_timeout, low=0, high=3600, low_inclusive=False)
         self._url = amqp_url
         self._channel = channel
         self._connection: aio_pika.abc.AbstractConnection | None = None

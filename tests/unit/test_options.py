@@ -1,0 +1,142 @@
+"""Every options class refuses a bad value with a ConfigError naming the field, the value and the bound.
+
+``InboxOptions`` has its own tests; the queue and retry options are covered in test_plan.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from lily_mongo import ConfigError, Consumer, CustomPublishContent, InboxOptions, Publisher, RelayOptions, queue
+from lily_mongo.plan import QueueOptions
+
+URL = "amqp://guest:guest@127.0.0.1/"
+
+
+def refused(make: Callable[[], object], *parts: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        make()
+    for part in parts:
+        assert part in str(caught.value), (part, str(caught.value))
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        ({"poll_interval": -1}, ("RelayOptions.poll_interval", "-1", "0.01..3600")),
+        ({"poll_interval": 0}, ("RelayOptions.poll_interval", "0", "0.01..3600")),
+        ({"poll_interval": float("nan")}, ("RelayOptions.poll_interval", "nan", "finite")),
+        ({"claim_seconds": 0}, ("RelayOptions.claim_seconds", "0", "0.1..86400")),
+        ({"max_attempts": 0}, ("RelayOptions.max_attempts", "0", "1..1000")),
+        ({"max_attempts": 2.5}, ("RelayOptions.max_attempts", "2.5", "1..1000")),
+        ({"max_attempts": True}, ("RelayOptions.max_attempts", "True", "1..1000")),
+        ({"backoff_base": 0}, ("RelayOptions.backoff_base", "0", "0.001..3600")),
+        ({"backoff_base": 2.0, "backoff_max": 1.0}, ("RelayOptions.backoff_max", "1.0", ">= backoff_base (2.0)")),
+        ({"published_retention": 59}, ("RelayOptions.published_retention", "59", "60..31622400")),
+    ],
+)
+def test_relay_options_are_bounded(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    refused(lambda: RelayOptions(**options), *parts)
+
+
+def test_relay_options_at_their_bounds_are_accepted() -> None:
+    low = RelayOptions(poll_interval=0.01, claim_seconds=0.1, max_attempts=1, backoff_base=0.001, backoff_max=0.001)
+    assert (low.poll_interval, low.max_attempts, low.backoff_max) == (0.01, 1, 0.001)
+    high = RelayOptions(poll_interval=3600, max_attempts=1000, backoff_base=3600, backoff_max=86400)
+    assert high.poll_interval == 3600.0
+    assert isinstance(high.poll_interval, float)
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        ({"amqp_url": "http://rabbit/"}, ("amqp_url", "amqp:// or amqps://", "http://rabbit/")),
+        ({"amqp_url": "amqp:///"}, ("amqp_url", "with a host")),
+        ({"amqp_url": 42}, ("amqp_url", "int 42")),
+        ({"confirm_timeout": 0}, ("confirm_timeout", "0", "> 0 and <= 3600")),
+        ({"graceful_timeout": 3601}, ("graceful_timeout", "3601", "> 0 and <= 3600")),
+        ({"force_timeout": float("inf")}, ("force_timeout", "inf", "finite")),
+        ({"database": "shop"}, ("database", "shop", "needs a mongo_client")),
+        ({"inbox": InboxOptions()}, ("inbox", "needs a mongo_client")),
+        ({"owns_mongo_client": True}, ("owns_mongo_client", "needs a mongo_client")),
+        ({"mongo_client": "mongodb://db/", "database": "shop"}, ("mongo_client", "AsyncMongoClient", "mongodb://db/")),
+    ],
+)
+def test_consumer_options_are_checked(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    refused(lambda: Consumer(**{"amqp_url": URL, "name": "svc", **options}), *parts)
+
+
+def test_a_refused_amqp_url_is_shown_without_its_password() -> None:
+    with pytest.raises(ConfigError) as caught:
+        Consumer(amqp_url="amqp://app:P@ssw0rd@/", name="svc")
+    assert "ssw0rd" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("database", "parts"),
+    [
+        (None, ("database", "None")),
+        ("", ("database", "''")),
+        ("shop.orders", ("database", "1..63 bytes", "shop.orders")),
+        ("a" * 64, ("database", "1..63 bytes", "length 64")),
+        ("my shop", ("database", "my shop")),
+    ],
+)
+def test_consumer_database_name_is_checked(database: object, parts: tuple[str, ...]) -> None:
+    client: AsyncMongoClient[Any] = AsyncMongoClient("mongodb://127.0.0.1:1/", connect=False)
+    refused(lambda: Consumer(amqp_url=URL, name="svc", mongo_client=client, database=database), *parts)  # type: ignore[arg-type]
+
+
+def test_consumer_with_mongo_options_and_a_client_is_accepted() -> None:
+    client: AsyncMongoClient[Any] = AsyncMongoClient("mongodb://127.0.0.1:1/", connect=False)
+    consumer = Consumer(
+        amqp_url=URL, name="svc", mongo_client=client, database="a" * 63, inbox=InboxOptions(), owns_mongo_client=True
+    )
+    assert consumer.name == "svc"
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        ({"amqp_url": "rabbit:5672"}, ("amqp_url", "amqp:// or amqps://")),
+        ({"amqp_url": URL, "confirm_timeout": 0}, ("confirm_timeout", "0", "> 0 and <= 3600")),
+        ({"amqp_url": URL, "confirm_timeout": float("inf")}, ("confirm_timeout", "inf", "finite")),
+        ({"amqp_url": URL, "confirm_timeout": True}, ("confirm_timeout", "True")),
+        ({"channel": "a channel"}, ("channel", "aio-pika channel", "a channel")),
+        ({}, ("exactly one of amqp_url or channel",)),
+    ],
+)
+def test_publisher_options_are_checked(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    refused(lambda: Publisher(**options), *parts)
+
+
+def test_custom_content_encoder_must_be_callable() -> None:
+    refused(lambda: CustomPublishContent("protobuf", "application/x-protobuf", b"not callable"), "encode", "bytes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        ({"passive": "yes"}, ("passive", "True or False", "yes")),
+        ({"unknown_errors": "ignore"}, ("unknown_errors", "'retryable' or 'permanent'", "ignore")),
+    ],
+)
+def test_queue_options_name_the_refused_value(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    refused(lambda: QueueOptions(name="orders", **options), *parts)
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        ({"trace": 5}, ("trace", "int 5")),
+        ({"trace": ""}, ("trace", "non-empty")),
+        ({"middleware": [42]}, ("middleware", "async callables")),
+        ({"guards": 5}, ("guards", "int 5")),
+    ],
+)
+def test_queue_registration_options_are_checked(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    refused(lambda: queue("orders", version=1, **options), *parts)
