@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar, Unpack
 
 import aio_pika.abc
 from pymongo import AsyncMongoClient
@@ -41,12 +41,12 @@ from .bounds import utf8_len
 from .errors import ConfigError, LilyError, TransportError
 from .inbox import Inbox, InboxOptions
 from .observe import Snapshot, TerminalObservation
-from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions
+from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions, RetryPolicy
 from .runtime import Runtime, TaskSet
 from .settlement import Terminal
 from .topology import declare_topology
 
-__all__ = ["Consumer", "ManagedConsumer", "ShutdownAction", "ShutdownReport"]
+__all__ = ["Consumer", "ManagedConsumer", "QueueSettings", "ShutdownAction", "ShutdownReport"]
 
 log = logging.getLogger("lily_mongo")
 T = TypeVar("T")
@@ -123,6 +123,24 @@ class _Steps:
         return observed
 
 
+class QueueSettings(TypedDict, total=False):
+    """The keyword options of :meth:`Consumer.configure_queue`: every :class:`QueueOptions` field
+    but ``name``, with the defaults and bounds documented there."""
+
+    concurrency: int
+    prefetch: int
+    buffer: int | None
+    max_body: int
+    retry: RetryPolicy
+    queue_type: Literal["classic", "quorum"]
+    deadline: float
+    cooperation_window: float
+    max_deferrals: int
+    max_handoff_failures: int
+    passive: bool
+    unknown_errors: Literal["retryable", "permanent"]
+
+
 # MongoDB database names: at most 63 bytes, none of these characters (MongoDB's naming restrictions).
 _DATABASE_NAME_BYTES = 63
 _DATABASE_NAME_FORBIDDEN = frozenset('/\\. "$\x00')
@@ -189,7 +207,7 @@ class Consumer:
     def __repr__(self) -> str:
         return f"<Consumer name={self.name!r} amqp={redact_url(self._amqp_url)!r} state={self._state.value}>"
 
-    def configure_queue(self, name: str, **options: Any) -> QueueOptions:
+    def configure_queue(self, name: str, **options: Unpack[QueueSettings]) -> QueueOptions:
         """Set a physical queue's options (see :class:`QueueOptions`); bounds checked now."""
         self._require_new()
         queue_options = QueueOptions(name=name, **options)

@@ -19,7 +19,7 @@ import random
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from bson import Binary
 from pymongo import ReturnDocument
@@ -28,7 +28,7 @@ from pymongo.errors import PyMongoError
 from ._amqp import basic_publish
 from ._checks import check_int, check_seconds
 from .errors import ConfigError, PublishError, ScopeClosedError
-from .publisher import CustomPublishContent, TypedPublishing, prepare_publication
+from .publisher import CustomPublishContent, PublishOptions, TypedPublishing, prepare_publication
 
 if TYPE_CHECKING:
     import aio_pika.abc
@@ -71,7 +71,13 @@ class Outbox(TypedPublishing):
         return f"<Outbox written={self.written} open={self._is_open()}>"
 
     async def publish(
-        self, content: CustomPublishContent[T], routing_key: str, payload: T, *, version: int, **options: Any
+        self,
+        content: CustomPublishContent[T],
+        routing_key: str,
+        payload: T,
+        *,
+        version: int,
+        **options: Unpack[PublishOptions],
     ) -> uuid.UUID:
         """Stage a message with a custom content contract; it is published after the commit."""
         if not self._is_open():

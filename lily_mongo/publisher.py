@@ -12,7 +12,7 @@ import enum
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import aio_pika
 import aio_pika.abc
@@ -35,6 +35,7 @@ from .envelope import (
     validate_envelope,
 )
 from .errors import ConfigError, EnvelopeError, LilyError
+from .plan import check_name
 
 __all__ = [
     "BINARY",
@@ -42,6 +43,7 @@ __all__ = [
     "TEXT",
     "CustomPublishContent",
     "Publication",
+    "PublishOptions",
     "Publisher",
     "TypedPublishing",
     "encode_json",
@@ -115,14 +117,21 @@ class Publication:
     event_id: uuid.UUID
 
 
-def _check_name(field: str, value: object, *, allow_empty: bool) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{field} must be a string, got {describe_value(value)}")
-    size = utf8_len(value)
-    if (size == 0 and not allow_empty) or size > BOUNDS.name_max_bytes:
-        low = 0 if allow_empty else BOUNDS.name_min_bytes
-        raise ConfigError(f"{field} is {size} bytes, outside {low}..{BOUNDS.name_max_bytes} bytes")
-    return value
+class PublishOptions(TypedDict, total=False):
+    """The keyword options of every publish method (``publish_json`` and friends, ``Outbox.publish``)."""
+
+    exchange: str
+    """The exchange; ``""`` (the default exchange) routes by queue name."""
+    event_id: uuid.UUID | str | None
+    """The event id to carry (canonical UUID text or a UUID); a fresh UUID4 when absent."""
+    headers: Mapping[str, Any] | None
+    """Application headers; ``x-lily-*`` and ``x-retry-count`` are reserved."""
+    retry_count: int | None
+    """``x-retry-count`` to write (0..100); normally left out."""
+    traceparent: str | None
+    """W3C ``traceparent`` (at most 55 bytes)."""
+    tracestate: str | None
+    """W3C ``tracestate`` (at most 512 bytes)."""
 
 
 def prepare_publication[T](
@@ -144,8 +153,11 @@ def prepare_publication[T](
     The result is validated with the same :func:`validate_envelope` a consumer
     runs, so nothing is published that a Lily consumer would reject.
     """
-    _check_name("routing_key", routing_key, allow_empty=True)
-    _check_name("exchange", exchange, allow_empty=True)
+    # The empty name is the default exchange, and an empty routing key is valid AMQP.
+    if routing_key != "":
+        check_name("routing_key", routing_key)
+    if exchange != "":
+        check_name("exchange", exchange)
     if (
         isinstance(version, bool)
         or not isinstance(version, int)
@@ -199,19 +211,31 @@ class TypedPublishing:
     __slots__ = ()
 
     async def publish[T](
-        self, content: CustomPublishContent[T], routing_key: str, payload: T, *, version: int, **options: Any
+        self,
+        content: CustomPublishContent[T],
+        routing_key: str,
+        payload: T,
+        *,
+        version: int,
+        **options: Unpack[PublishOptions],
     ) -> uuid.UUID:
         raise NotImplementedError
 
-    async def publish_json(self, routing_key: str, payload: Any, *, version: int, **options: Any) -> uuid.UUID:
+    async def publish_json(
+        self, routing_key: str, payload: Any, *, version: int, **options: Unpack[PublishOptions]
+    ) -> uuid.UUID:
         """A JSON payload (content kind ``json``, ``application/json``); pydantic models are dumped."""
         return await self.publish(JSON, routing_key, payload, version=version, **options)
 
-    async def publish_text(self, routing_key: str, payload: str, *, version: int, **options: Any) -> uuid.UUID:
+    async def publish_text(
+        self, routing_key: str, payload: str, *, version: int, **options: Unpack[PublishOptions]
+    ) -> uuid.UUID:
         """UTF-8 text (content kind ``text``, ``text/plain; charset=utf-8``)."""
         return await self.publish(TEXT, routing_key, payload, version=version, **options)
 
-    async def publish_binary(self, routing_key: str, payload: bytes, *, version: int, **options: Any) -> uuid.UUID:
+    async def publish_binary(
+        self, routing_key: str, payload: bytes, *, version: int, **options: Unpack[PublishOptions]
+    ) -> uuid.UUID:
         """Raw bytes (content kind ``binary``, ``application/octet-stream``)."""
         return await self.publish(BINARY, routing_key, payload, version=version, **options)
 
@@ -300,7 +324,13 @@ class Publisher(TypedPublishing):
         return publication.event_id
 
     async def publish[T](
-        self, content: CustomPublishContent[T], routing_key: str, payload: T, *, version: int, **options: Any
+        self,
+        content: CustomPublishContent[T],
+        routing_key: str,
+        payload: T,
+        *,
+        version: int,
+        **options: Unpack[PublishOptions],
     ) -> uuid.UUID:
         """Publish ``payload`` with a custom content contract; return the event id."""
         return await self.send(prepare_publication(content, routing_key, payload, version=version, **options))

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +15,9 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from lily_mongo import ConfigError, Consumer, CustomPublishContent, InboxOptions, Publisher, RelayOptions, queue
+from lily_mongo.outbox import Outbox
 from lily_mongo.plan import QueueOptions
+from lily_mongo.publisher import prepare_publication
 
 URL = "amqp://guest:guest@127.0.0.1/"
 
@@ -140,3 +145,29 @@ def test_queue_options_name_the_refused_value(options: dict[str, Any], parts: tu
 )
 def test_queue_registration_options_are_checked(options: dict[str, Any], parts: tuple[str, ...]) -> None:
     refused(lambda: queue("orders", version=1, **options), *parts)
+
+
+def keyword_options(hint: object) -> set[str]:
+    """The keys of the TypedDict behind ``**options: Unpack[TypedDict]``."""
+    assert typing.get_origin(hint) is typing.Unpack, hint
+    (typed,) = typing.get_args(hint)
+    return set(typed.__annotations__)
+
+
+def test_configure_queue_takes_exactly_the_queue_options_as_typed_keywords() -> None:
+    hint = typing.get_type_hints(Consumer.configure_queue)["options"]
+    fields = {f.name for f in dataclasses.fields(QueueOptions)} - {"name"}
+    assert keyword_options(hint) == fields
+
+
+@pytest.mark.parametrize("method", ["publish", "publish_json", "publish_text", "publish_binary"])
+@pytest.mark.parametrize("owner", [Publisher, Outbox])
+def test_publish_methods_take_exactly_the_publication_options_as_typed_keywords(owner: type, method: str) -> None:
+    hint = typing.get_type_hints(getattr(owner, method))["options"]
+    accepted = {
+        name
+        for name, parameter in inspect.signature(prepare_publication).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    # version is a parameter of its own; max_body is the outbox's bound, not the caller's.
+    assert keyword_options(hint) == accepted - {"version", "max_body"}
