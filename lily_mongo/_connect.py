@@ -8,20 +8,24 @@ would leave most of it on show.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import urllib.parse
+from typing import Any, cast
 
 import aio_pika
 import aio_pika.abc
+import aiormq.connection
 import aiormq.exceptions
 from aio_pika.connection import make_url
 from yarl import URL
 
+from ._amqp import LenientFrameReader
 from ._tasks import uncancellable
 from .errors import TransportError
 
-__all__ = ["connect_amqp", "redact_url", "scrub"]
+__all__ = ["LenientTransport", "connect_amqp", "redact_url", "scrub"]
 
 _MASK = "***"
 _MONGO_SCHEMES = ("mongodb://", "mongodb+srv://")
@@ -135,17 +139,41 @@ def _amqp_detail(exc: aiormq.exceptions.AMQPConnectionError) -> str:
     return type(exc).__name__
 
 
+class LenientTransport(aiormq.connection.TransportFactory):
+    """aiormq's own TCP or TLS transport, read through a :class:`LenientFrameReader`.
+
+    Given to one connection (aio-pika passes it to each aiormq connection it opens,
+    reconnects included), so the lenient reading is scoped to the connections this
+    package opens; every other AMQP client in the process is left as it is.
+    """
+
+    def __init__(self, *, tls: bool) -> None:
+        self._transport = aiormq.connection.TLSTransportFactory() if tls else aiormq.connection.TCPTransportFactory()
+
+    async def create(self, url: URL, **kwargs: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await self._transport.create(url, **kwargs)
+        # aiormq's frame receiver reads the stream with at_eof(), read() and readexactly() only.
+        return cast(asyncio.StreamReader, LenientFrameReader(reader)), writer
+
+
 async def connect_amqp(url: str, *, robust: bool = True) -> aio_pika.abc.AbstractConnection:
     """Open an AMQP connection (robust by default: it reconnects and restores topology).
 
+    The connection reads frames through :class:`LenientTransport`: a delivery whose
+    metadata pamqp cannot decode arrives marked (``InboundMessage.malformed``)
+    instead of closing the connection.
     Raises :class:`TransportError` naming what refused the connection (unreachable,
     login refused, virtual host refused), with the URL's password redacted.
     Cancelling the caller while the connection is being opened closes it: a robust
     connection starts background tasks that would otherwise outlive the caller.
     """
-    connection: aio_pika.abc.AbstractConnection = (
+    made: aio_pika.Connection = (
         aio_pika.RobustConnection(make_url(url)) if robust else aio_pika.Connection(make_url(url))
     )
+    # aio-pika hands its keyword arguments to every aiormq connection it opens (reconnects
+    # too); it keeps only the ones it knows from a constructor call, so set this one here.
+    made.kwargs["transport_factory"] = LenientTransport(tls=made.url.scheme == "amqps")
+    connection: aio_pika.abc.AbstractConnection = made
     try:
         await connection.connect()
     except BaseException as exc:

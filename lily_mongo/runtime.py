@@ -455,6 +455,9 @@ class Runtime:
     def _prepare(self, qr: QueueRuntime, message: InboundMessage) -> _Prepared | tuple[PipelineResult, Envelope | None]:
         """Envelope, dispatch and payload decode: all before any scope or middleware opens."""
         options = qr.options
+        if message.malformed is not None and len(message.body) <= options.max_body:
+            # Metadata that was not valid AMQP, read leniently (_amqp.LenientFrameReader): refused.
+            return PipelineResult(Outcome.PERMANENT, ErrorCode.ENVELOPE_INVALID, message.malformed), None
         try:
             envelope = validate_envelope(message.headers, len(message.body), max_body=options.max_body)
         except EnvelopeError as exc:
