@@ -41,10 +41,11 @@ from .bounds import utf8_len
 from .errors import ConfigError, LilyError, TransportError
 from .inbox import Inbox, InboxOptions
 from .observe import Snapshot, TerminalObservation
+from .outgoing import OutgoingMessage
 from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions, RetryPolicy
 from .runtime import Runtime, TaskSet
 from .settlement import Terminal
-from .topology import declare_topology
+from .topology import declare_topology, destination_options, prepare_destinations
 
 __all__ = ["Consumer", "ManagedConsumer", "QueueSettings", "ShutdownAction", "ShutdownReport"]
 
@@ -201,6 +202,7 @@ class Consumer:
         self._inbox_options = inbox
         self._owns_mongo_client = owns_mongo_client
         self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
+        self._outgoing: list[OutgoingMessage] = []
         self._state = State.NEW
         self.name = name
 
@@ -213,6 +215,43 @@ class Consumer:
         queue_options = QueueOptions(name=name, **options)
         self._builder.configure_queue(queue_options)
         return queue_options
+
+    def sends(
+        self,
+        routing_key: str,
+        *,
+        version: int,
+        content: str = "json",
+        payload: Any = None,
+        exchange: str = "",
+        declare: bool = False,
+    ) -> OutgoingMessage:
+        """Declare a message this service publishes (through ``mongo.outbox`` or a ``Publisher``).
+
+        The AsyncAPI document describes it as a ``send`` operation (with ``payload``'s
+        JSON Schema for json content). ``start()`` declares its destination queue when
+        ``declare=True``, and otherwise logs a warning if the broker has nowhere to route it.
+        """
+        self._require_new()
+        message = OutgoingMessage(
+            routing_key=routing_key,
+            version=version,
+            content=content,
+            payload=payload,
+            exchange=exchange,
+            declare=declare,
+        )
+        if any(known.key == message.key for known in self._outgoing):
+            raise ConfigError(f"sends({routing_key!r:.60}, version={version}, content={content!r}) is declared twice")
+        if declare:
+            destination_options(message)  # the queue name's bound, checked now
+        self._outgoing.append(message)
+        return message
+
+    @property
+    def outgoing(self) -> tuple[OutgoingMessage, ...]:
+        """The messages declared with :meth:`sends`, in declaration order."""
+        return tuple(self._outgoing)
 
     def include(self, *handlers: Callable[..., Awaitable[None]]) -> None:
         """Link ``@queue`` handlers into the plan."""
@@ -312,6 +351,7 @@ class ManagedConsumer:
         self._connection = await connect_amqp(consumer._amqp_url)
         for options in self.plan.queues.values():
             await declare_topology(self._connection, options)  # checks for a cancel between declarations
+        await prepare_destinations(self._connection, consumer.outgoing)
         if consumer._mongo_client is not None:
             assert consumer._database is not None
             self._inbox = Inbox(
@@ -409,6 +449,7 @@ class ManagedConsumer:
             outbox_pending=outbox[0],
             outbox_failed=outbox[1],
             outbox_published=outbox[2],
+            outbox_unroutable=self._inbox.relay.unroutable if self._inbox is not None else 0,
         )
 
     def delivery_terminal_observations(self) -> tuple[TerminalObservation, ...]:

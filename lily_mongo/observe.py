@@ -107,6 +107,8 @@ class Snapshot:
     outbox_pending: int | None
     outbox_failed: int | None
     outbox_published: int
+    outbox_unroutable: int = 0
+    """Relay publishes the broker returned as unroutable since start (a missing destination queue)."""
 
     @staticmethod
     def freeze(counts: collections.Counter[str]) -> Mapping[str, int]:

@@ -12,10 +12,12 @@ the holder of its claim, and downstream consumers deduplicate by event id.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
 import logging
 import random
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -139,8 +141,19 @@ class RelayOptions:
             object.__setattr__(self, name, value)
 
 
+# At most one warning per destination this often, however many of its records are refused.
+UNROUTABLE_WARNING_INTERVAL = 60.0
+_WARNED_DESTINATIONS = 256  # destinations remembered for rate limiting (least recently warned forgotten)
+
+
 class OutboxRelay:
-    """Publishes committed outbox records; one per consumer, owned by its supervisor."""
+    """Publishes committed outbox records; one per consumer, owned by its supervisor.
+
+    ``unroutable`` counts publishes the broker returned because nothing routes their
+    destination (no queue of that name on the default exchange, no binding on an
+    exchange); each such destination is also logged at WARNING level, at most once
+    per :data:`UNROUTABLE_WARNING_INTERVAL` seconds.
+    """
 
     def __init__(self, collection: AsyncCollection[Any], options: RelayOptions, owner: str) -> None:
         self._collection = collection
@@ -152,6 +165,9 @@ class OutboxRelay:
         self.pending: int | None = None
         self.failed: int | None = None
         self.published = 0
+        self.unroutable = 0
+        # (exchange, routing key) -> (monotonic time of its last warning, refusals since)
+        self._warned: collections.OrderedDict[tuple[str, str], tuple[float, int]] = collections.OrderedDict()
 
     def wake(self) -> None:
         """Run a relay pass now (called right after a commit that wrote outbox records)."""
@@ -237,6 +253,18 @@ class OutboxRelay:
             attempts = int(record.get("attempts", 0)) + 1
             kind = exc.kind if isinstance(exc, PublishError) else f"failed ({type(exc).__name__})"
             failed = attempts >= self._options.max_attempts
+            if kind == "unroutable":
+                self.unroutable += 1
+                self._warn_unroutable(record)
+            if failed:
+                log.warning(
+                    "outbox record %s (%s) parked as failed after %d attempts: publish %s; set its status back "
+                    "to pending once the destination accepts it",
+                    record.get("_id"),
+                    _destination(record),
+                    attempts,
+                    kind,
+                )
             delay = min(self._options.backoff_base * 2 ** (attempts - 1), self._options.backoff_max)
             update: dict[str, Any] = {
                 "attempts": attempts,
@@ -249,6 +277,7 @@ class OutboxRelay:
             except PyMongoError:
                 log.warning("outbox record could not be updated after a failed publish", exc_info=True)
             return
+        self._warned.pop((str(record.get("exchange", "")), str(record.get("routing_key", ""))), None)
         now = utcnow()
         try:
             marked = await self._collection.update_one(
@@ -268,3 +297,33 @@ class OutboxRelay:
             # Published but not marked: the claim expires and the record is published
             # again (at-least-once); downstream consumers deduplicate by event id.
             log.warning("outbox record published but not marked", exc_info=True)
+
+    def _warn_unroutable(self, record: dict[str, Any]) -> None:
+        """Log a destination nothing routes, at most once per interval (it is usually a missing queue)."""
+        key = (str(record.get("exchange", "")), str(record.get("routing_key", "")))
+        now = time.monotonic()
+        last, since = self._warned.get(key, (-UNROUTABLE_WARNING_INTERVAL, 0))
+        if now - last < UNROUTABLE_WARNING_INTERVAL:
+            self._warned[key] = (last, since + 1)
+            return
+        self._warned[key] = (now, 0)
+        self._warned.move_to_end(key)
+        while len(self._warned) > _WARNED_DESTINATIONS:
+            self._warned.popitem(last=False)
+        log.warning(
+            "outbox: the broker returned a record for %s as unroutable: no queue receives it. Declare the "
+            "destination (the consuming service's queue, or a binding) or fix the routing key; the relay retries "
+            "it with backoff and parks it as failed after %d attempts%s",
+            _destination(record),
+            self._options.max_attempts,
+            f" ({since} more refusals since the last warning)" if since else "",
+        )
+
+
+def _destination(record: dict[str, Any]) -> str:
+    """Where a record goes, for log lines: the routing key, and the exchange unless it is the default one."""
+    exchange = str(record.get("exchange", ""))[:200]
+    routing_key = str(record.get("routing_key", ""))[:200]
+    if exchange:
+        return f"exchange {exchange!r} routing key {routing_key!r}"
+    return f"routing key {routing_key!r} (default exchange)"

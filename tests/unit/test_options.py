@@ -171,3 +171,29 @@ def test_publish_methods_take_exactly_the_publication_options_as_typed_keywords(
     }
     # version is a parameter of its own; max_body is the outbox's bound, not the caller's.
     assert keyword_options(hint) == accepted - {"version", "max_body"}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "parts"),
+    [
+        ({"routing_key": "", "version": 1}, ("routing_key", "1..200 bytes")),
+        ({"routing_key": "x" * 201, "version": 1}, ("routing_key", "201 bytes")),
+        ({"routing_key": "out", "version": 0}, ("version", "1..65535", "int 0")),
+        ({"routing_key": "out", "version": 1, "content": "JSON"}, ("content",)),
+        ({"routing_key": "out", "version": 1, "content": "text", "payload": int}, ("payload", "json content")),
+        ({"routing_key": "out", "version": 1, "payload": object()}, ("payload", "pydantic")),
+        ({"routing_key": "out", "version": 1, "exchange": "ex", "declare": True}, ("declare", "default exchange")),
+        ({"routing_key": "é" * 96, "version": 1, "declare": True}, ("queue name", "192 bytes")),
+    ],
+)
+def test_sends_is_checked_when_declared(arguments: dict[str, Any], parts: tuple[str, ...]) -> None:
+    consumer = Consumer(amqp_url=URL, name="svc")
+    refused(lambda: consumer.sends(**arguments), *parts)
+
+
+def test_the_same_outgoing_message_cannot_be_declared_twice() -> None:
+    consumer = Consumer(amqp_url=URL, name="svc")
+    consumer.sends("orders.confirmed", version=1)
+    consumer.sends("orders.confirmed", version=2)
+    refused(lambda: consumer.sends("orders.confirmed", version=1), "declared twice")
+    assert [m.version for m in consumer.outgoing] == [1, 2]
