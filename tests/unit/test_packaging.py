@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import tomllib
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import pytest
 
@@ -50,3 +51,23 @@ def test_every_tracked_file_is_in_the_sdist_include_list() -> None:
         path for path in tracked_files() if not any(PurePosixPath(path).full_match(pattern) for pattern in patterns)
     ]
     assert missing == []
+
+
+def locked_version(package: str) -> str:
+    lock = tomllib.loads((ROOT / "uv.lock").read_text(encoding="utf-8"))
+    (version,) = [p["version"] for p in lock["package"] if p["name"] == package]
+    return str(version)
+
+
+@pytest.mark.parametrize(
+    ("requirement_list", "package"),
+    [(("optional-dependencies", "cli"), "typer"), (("dependencies",), "aiormq"), (("dependencies",), "aio-pika")],
+)
+def test_lower_bounds_are_the_locked_tested_versions(requirement_list: tuple[str, ...], package: str) -> None:
+    # The command relies on typer's pretty_exceptions_show_locals=False; the connections on
+    # aiormq's transport factory reaching it through aio-pika: only the locked versions are tested.
+    requirements: Any = PYPROJECT["project"]
+    for key in requirement_list:
+        requirements = requirements[key]
+    (requirement,) = [r for r in requirements if r.split(">=")[0].strip() == package]
+    assert requirement == f"{package}>={locked_version(package)}"
