@@ -44,6 +44,7 @@ __all__ = [
     "LilyProperties",
     "basic_publish",
     "encode_headers_table",
+    "publish_properties",
     "republish",
 ]
 
@@ -119,6 +120,22 @@ async def basic_publish(
         message_id=uuid.uuid4().hex,
         expiration=expiration,
     )
+    await publish_properties(
+        channel, exchange=exchange, routing_key=routing_key, body=body, properties=frame_properties, timeout=timeout
+    )
+
+
+async def publish_properties(
+    channel: aiormq.abc.AbstractChannel,
+    *,
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    properties: LilyProperties,
+    timeout: float,
+) -> None:
+    """:func:`basic_publish` with every AMQP property given: mandatory, confirmed, errors mapped."""
+    frame_properties = properties
     where = f"exchange {exchange!r} routing key {routing_key!r}"
     try:
         frame_properties.marshal()  # encode now, so a bad header fails here, not in the writer
@@ -228,6 +245,20 @@ class InboundMessage:
     @property
     def type(self) -> str | None:
         return self._properties.message_type
+
+    @property
+    def user_id(self) -> str | None:
+        return self._properties.user_id
+
+    def properties_with(self, headers: Mapping[str, Any], *, drop: tuple[str, ...] = ()) -> LilyProperties:
+        """Every AMQP property of this delivery as it arrived, with ``headers`` as the header table
+        and the properties named in ``drop`` left out (for a faithful copy of the message)."""
+        values = {name: getattr(self._properties, name) for name in spec.Basic.Properties.__slots__}
+        values["headers"] = dict(headers)
+        for name in drop:
+            values[name] = None
+        values["cluster_id"] = values.get("cluster_id") or ""  # pamqp encodes only an empty one
+        return LilyProperties(**values)
 
     def _claim(self, what: str) -> None:
         if self._settled:

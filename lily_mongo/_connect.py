@@ -19,13 +19,15 @@ import aio_pika.abc
 import aiormq.connection
 import aiormq.exceptions
 from aio_pika.connection import make_url
+from pymongo import AsyncMongoClient
+from pymongo.errors import ConfigurationError, ConnectionFailure, OperationFailure, PyMongoError
 from yarl import URL
 
 from ._amqp import LenientFrameReader
 from ._tasks import uncancellable
-from .errors import TransportError
+from .errors import ConfigError, TransportError
 
-__all__ = ["LenientTransport", "connect_amqp", "redact_url", "scrub"]
+__all__ = ["LenientTransport", "connect_amqp", "open_mongo", "redact_url", "scrub"]
 
 _MASK = "***"
 _MONGO_SCHEMES = ("mongodb://", "mongodb+srv://")
@@ -80,7 +82,12 @@ def _redact_opaque(url: str) -> str:
 
 def scrub(text: str, url: str) -> str:
     """``text`` (an error message from a client library) without ``url``'s password in any spelling."""
-    text = text.replace(url, redact_url(url)) if url else text
+    if not url:
+        return text
+    redacted = redact_url(url)
+    if url in text:
+        # The URL shown redacted, and the password masked everywhere else.
+        return redacted.join(scrub(part, url) for part in text.split(url))
     secrets: set[str] = set()
     if url.lower().startswith(_MONGO_SCHEMES):
         userinfo = url.partition("://")[2].partition("?")[0].partition("/")[0].rpartition("@")[0]
@@ -93,9 +100,10 @@ def scrub(text: str, url: str) -> str:
                 secrets.add(password)
     for secret in list(secrets):
         secrets.update({urllib.parse.quote(secret, safe=""), urllib.parse.unquote_plus(secret)})
+    parts = text.split(redacted) if redacted in text else [text]
     for secret in sorted((s for s in secrets if s), key=len, reverse=True):
-        text = text.replace(secret, _MASK)
-    return text
+        parts = [part.replace(secret, _MASK) for part in parts]
+    return redacted.join(parts)
 
 
 def _connection_error(url: str, exc: BaseException) -> TransportError:
@@ -112,11 +120,11 @@ def _connection_error(url: str, exc: BaseException) -> TransportError:
                 "may not access it"
             )
     if isinstance(exc, OSError | TimeoutError) and not isinstance(exc, aiormq.exceptions.AMQPError):
-        return TransportError(f"RabbitMQ is not reachable at {where} ({_os_detail(exc)})")
+        return TransportError(f"RabbitMQ is not reachable at {where} ({_os_detail(exc)})", unreachable=True)
     if isinstance(exc, aiormq.exceptions.AMQPConnectionError):
         cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else None
         detail = _os_detail(cause) if cause is not None else _amqp_detail(exc)
-        return TransportError(f"RabbitMQ is not reachable at {where} ({detail})")
+        return TransportError(f"RabbitMQ is not reachable at {where} ({detail})", unreachable=True)
     return TransportError(f"connecting to RabbitMQ at {where} failed ({type(exc).__name__})")
 
 
@@ -183,3 +191,38 @@ async def connect_amqp(url: str, *, robust: bool = True) -> aio_pika.abc.Abstrac
             raise _connection_error(url, exc) from exc
         raise
     return connection
+
+
+# PyMongo's code for a refused login (AuthenticationFailed).
+_AUTHENTICATION_FAILED = 18
+
+
+async def open_mongo(uri: str, *, timeout: float = 10.0) -> AsyncMongoClient[Any]:
+    """A client for ``uri`` that has answered a ping; the caller closes it.
+
+    ``timeout`` bounds server selection unless the URI sets ``serverSelectionTimeoutMS``
+    itself. Raises :class:`ConfigError` for a URI PyMongo refuses, :class:`TransportError`
+    when no server answers or the login is refused, with the URI redacted.
+    """
+    where = redact_url(uri)
+    options: dict[str, Any] = {}
+    if "serverselectiontimeoutms" not in uri.lower():
+        options["serverSelectionTimeoutMS"] = int(timeout * 1000)
+    try:
+        client: AsyncMongoClient[Any] = AsyncMongoClient(uri, **options)
+    except ConfigurationError as exc:  # InvalidURI is one
+        raise ConfigError(f"the MongoDB URI {where} is not valid: {scrub(str(exc), uri)}"[:300]) from exc
+    try:
+        await client.admin.command("ping")
+    except BaseException as exc:
+        await client.close()
+        if isinstance(exc, OperationFailure) and exc.code == _AUTHENTICATION_FAILED:
+            raise TransportError(f"MongoDB at {where} refused the login: check the user and password") from exc
+        if isinstance(exc, ConnectionFailure):
+            raise TransportError(
+                f"MongoDB is not reachable at {where} (no server answered in time)", unreachable=True
+            ) from exc
+        if isinstance(exc, PyMongoError):
+            raise TransportError(f"MongoDB at {where} failed: {type(exc).__name__}") from exc
+        raise
+    return client
