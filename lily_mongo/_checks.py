@@ -2,7 +2,8 @@
 
 Options are checked once, when they are given (STYLE.md, convention 5); the
 value in a message is a bounded description (:func:`describe_value`), never an
-unbounded echo of what the caller passed, and a URL is shown redacted.
+unbounded echo of what the caller passed, and a URL is shown redacted. Pure: no
+I/O library is imported (pure modules such as :mod:`lily_mongo.content` use it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any
 
 from yarl import URL
 
-from ._connect import redact_url
 from ._text import describe_value
 from .bounds import utf8_len
 from .errors import ConfigError
@@ -56,6 +56,8 @@ def check_callable(field: str, value: object) -> Callable[..., Any]:
 
 def check_amqp_url(field: str, value: object) -> str:
     """An ``amqp://`` or ``amqps://`` URL with a host, as aio-pika parses it; shown redacted when refused."""
+    from ._connect import redact_url  # here: this module stays free of I/O libraries
+
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{field} must be an amqp:// or amqps:// URL, got {describe_value(value)}")
     try:

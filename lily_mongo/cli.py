@@ -292,7 +292,7 @@ def asyncapi(
         if fmt not in ("json", "yaml"):
             _fail(ExitCode.USAGE, f"--format must be json or yaml, got {fmt!r}")
         consumer = load_consumer(target)
-        document = asyncapi_document(consumer.plan())
+        document = asyncapi_document(consumer.plan(), outgoing=consumer.outgoing)
     if fmt == "json":
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
     else:

@@ -21,9 +21,12 @@ from .errors import EnvelopeError, ErrorCode
 
 __all__ = [
     "CONTENT_KIND_HEADER",
+    "CONTENT_KIND_PATTERN",
     "EVENT_ID_HEADER",
+    "EVENT_ID_PATTERN",
     "RETRY_COUNT_HEADER",
     "SCHEMA_VERSION_HEADER",
+    "SCHEMA_VERSION_PATTERN",
     "TRACEPARENT_HEADER",
     "TRACESTATE_HEADER",
     "Envelope",
@@ -40,11 +43,15 @@ CONTENT_KIND_HEADER = "x-lily-content-kind"
 TRACEPARENT_HEADER = "traceparent"
 TRACESTATE_HEADER = "tracestate"
 
-# ``re.fullmatch`` with explicit ASCII classes: ``$`` would accept a trailing
-# newline and ``\d`` would accept non-ASCII digits.
-_UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-_VERSION_RE = re.compile(r"[1-9][0-9]{0,4}")
-_CONTENT_KIND_RE = re.compile(r"[a-z0-9][a-z0-9._+-]*")
+# The canonical forms, spelled once (the AsyncAPI document anchors them as JSON Schema
+# patterns). Matched with ``re.fullmatch`` and explicit ASCII classes: ``$`` would accept
+# a trailing newline and ``\d`` would accept non-ASCII digits.
+EVENT_ID_PATTERN = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+SCHEMA_VERSION_PATTERN = "[1-9][0-9]{0,4}"
+CONTENT_KIND_PATTERN = "[a-z0-9][a-z0-9._+-]*"
+_UUID_RE = re.compile(EVENT_ID_PATTERN)
+_VERSION_RE = re.compile(SCHEMA_VERSION_PATTERN)
+_CONTENT_KIND_RE = re.compile(CONTENT_KIND_PATTERN)
 # W3C traceparent: hex fields; version ff, an all-zero trace id or parent id are invalid.
 _TRACEPARENT_RE = re.compile(r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 _NIL_UUID = "00000000-0000-0000-0000-000000000000"

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeVar, Unpack
 
 import aio_pika
 import aio_pika.abc
-import orjson
-import pydantic
 
 from ._amqp import basic_publish
-from ._checks import check_amqp_url, check_callable, check_seconds
+from ._checks import check_amqp_url, check_seconds
 from ._text import describe_value
-from .bounds import BOUNDS, utf8_len
+from .bounds import BOUNDS
+from .content import BINARY, JSON, TEXT, CustomPublishContent, encode_json
 from .envelope import (
     CONTENT_KIND_HEADER,
     EVENT_ID_HEADER,
@@ -30,7 +29,6 @@ from .envelope import (
     SCHEMA_VERSION_HEADER,
     TRACEPARENT_HEADER,
     TRACESTATE_HEADER,
-    check_content_kind,
     is_canonical_uuid,
     validate_envelope,
 )
@@ -51,58 +49,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-def _json_default(value: object) -> object:
-    if isinstance(value, pydantic.BaseModel):
-        return value.model_dump(mode="json")
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def encode_json(value: object) -> bytes:
-    """Encode a JSON payload with orjson; pydantic models are dumped in JSON mode."""
-    if isinstance(value, pydantic.BaseModel):
-        return value.model_dump_json().encode()
-    try:
-        return orjson.dumps(value, default=_json_default)
-    except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
-        raise ConfigError(f"payload is not JSON serializable: {exc}") from exc
-
-
-def _encode_text(value: str) -> bytes:
-    if not isinstance(value, str):
-        raise ConfigError(f"text payload must be a str, got {type(value).__name__}")
-    return value.encode("utf-8")
-
-
-def _encode_binary(value: bytes | bytearray | memoryview) -> bytes:
-    if not isinstance(value, bytes | bytearray | memoryview):
-        raise ConfigError(f"binary payload must be bytes, got {type(value).__name__}")
-    return bytes(value)
-
-
-@dataclass(frozen=True, slots=True)
-class CustomPublishContent[T]:
-    """A content contract: the ``x-lily-content-kind`` token, the MIME type and the encoder."""
-
-    kind: str
-    content_type: str
-    encode: Callable[[T], bytes]
-
-    def __post_init__(self) -> None:
-        problem = check_content_kind(self.kind)
-        if problem is not None:
-            raise ConfigError(f"CustomPublishContent.kind {problem}")
-        check_callable("CustomPublishContent.encode", self.encode)
-        if not isinstance(self.content_type, str) or not self.content_type or utf8_len(self.content_type) > 255:
-            raise ConfigError(
-                f"CustomPublishContent.content_type must be 1..255 bytes, got {describe_value(self.content_type)}"
-            )
-
-
-JSON: CustomPublishContent[Any] = CustomPublishContent("json", "application/json", encode_json)
-TEXT: CustomPublishContent[str] = CustomPublishContent("text", "text/plain; charset=utf-8", _encode_text)
-BINARY: CustomPublishContent[bytes] = CustomPublishContent("binary", "application/octet-stream", _encode_binary)
 
 
 @dataclass(frozen=True, slots=True)

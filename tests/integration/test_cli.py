@@ -448,6 +448,7 @@ SHOP_SERVICE = """
         consumer.configure_queue(ORDERS, retry=RetryPolicy(max_retries=3, delays=(0.5, 2.0)))
         consumer.configure_queue(FILES, retry=RetryPolicy(max_retries=0, delays=()))
         consumer.include(order_v1, order_v2_text, file_v1)
+        consumer.sends("shop.orders.placed", version=1, payload=OrderPlaced)
         return consumer
 
 
@@ -481,13 +482,14 @@ async def test_asyncapi_json_validates_and_describes_the_plan(
         "shop.orders.created.dlq",
         "shop.files",
         "shop.files.dlq",
+        "shop.orders.placed",
     }
     operations = list(document["operations"].values())
-    assert sorted(resolve(document, op["channel"]["$ref"])["address"] for op in operations) == [
-        "shop.files",
-        "shop.orders.created",
+    assert sorted((op["action"], resolve(document, op["channel"]["$ref"])["address"]) for op in operations) == [
+        ("receive", "shop.files"),
+        ("receive", "shop.orders.created"),
+        ("send", "shop.orders.placed"),
     ]
-    assert {op["action"] for op in operations} == {"receive"}
 
     def messages(address: str) -> dict[tuple[str, str], dict[str, Any]]:
         refs = channels[address]["messages"].values()
@@ -506,7 +508,8 @@ async def test_asyncapi_json_validates_and_describes_the_plan(
     for message in [*orders.values(), *messages("shop.files").values()]:
         assert set(ENVELOPE) <= set(message["headers"]["required"])
     (dead,) = [resolve(document, r["$ref"]) for r in channels["shop.orders.created.dlq"]["messages"].values()]
-    assert "x-lily-failure-code" in dead["headers"]["properties"]
+    (library_copy,) = [branch for branch in dead["headers"]["anyOf"] if "x-lily-failure-code" in branch["required"]]
+    assert library_copy["properties"]["x-lily-failed-queue"]["const"] == "shop.orders.created"
 
 
 async def test_asyncapi_yaml_is_the_same_document(amqp: str, mongo_uri: str, tmp_path: Path) -> None:
