@@ -19,6 +19,7 @@ from typing import Any
 
 from .bounds import (
     BOUNDS,
+    DEATH_HEADER,
     FAILED_AT_HEADER,
     FAILED_QUEUE_HEADER,
     FAILURE_CODE_HEADER,
@@ -144,9 +145,9 @@ def _dead_letter_headers(work_queue: str) -> dict[str, Any]:
                 "description": f"The original message, rejected by the consumer (a body over max_body, repeated "
                 f"handoff failures) and dead-lettered by RabbitMQ: its latest x-death entry names {work_queue}. Any "
                 "x-lily-failure-* header on it was not written by the consumer.",
-                "required": ["x-death"],
+                "required": [DEATH_HEADER],
                 "properties": {
-                    "x-death": {
+                    DEATH_HEADER: {
                         "type": "array",
                         "minItems": 1,
                         "items": {

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "BOUNDS",
+    "DEATH_HEADER",
     "FAILED_AT_HEADER",
     "FAILED_QUEUE_HEADER",
     "FAILURE_CODE_HEADER",
@@ -90,6 +91,8 @@ FAILURE_HEADER_KEYS: tuple[str, ...] = (
 )
 # They are replaced, not added, when an incoming copy already carries them (a replayed DLQ message).
 HANDOFF_HEADER_KEYS: frozenset[str] = frozenset({RETRY_COUNT_HEADER, *FAILURE_HEADER_KEYS})
+# The header RabbitMQ adds each time it dead-letters a message: an array of tables, latest first.
+DEATH_HEADER = "x-death"
 
 
 def utf8_len(text: str) -> int:

@@ -43,6 +43,7 @@ from ._checks import check_int, check_seconds
 from ._connect import connect_amqp
 from ._text import describe_value, sanitize
 from .bounds import (
+    DEATH_HEADER,
     FAILED_AT_HEADER,
     FAILED_QUEUE_HEADER,
     FAILURE_CODE_HEADER,
@@ -66,7 +67,7 @@ __all__ = [
 
 # Headers RabbitMQ writes when it dead-letters a message; a replay removes them.
 BROKER_DEATH_HEADERS = (
-    "x-death",
+    DEATH_HEADER,
     "x-first-death-exchange",
     "x-first-death-queue",
     "x-first-death-reason",
@@ -152,7 +153,7 @@ def _text(value: object) -> str | None:
 
 def _latest_death(headers: Mapping[str, object]) -> tuple[str | None, str | None]:
     """(queue, reason) of the broker's most recent dead-lettering: the first ``x-death`` entry."""
-    deaths = headers.get("x-death")
+    deaths = headers.get(DEATH_HEADER)
     if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
         queue, reason = deaths[0].get("queue"), deaths[0].get("reason")
         return (queue if isinstance(queue, str) else None, reason if isinstance(reason, str) else None)
