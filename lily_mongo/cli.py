@@ -105,20 +105,23 @@ def _options(
     ] = False,
 ) -> None:
     ctx.obj = _Settings(debug=debug)
-    _configure_logging(debug)
+    if debug:
+        logging.getLogger("lily_mongo").setLevel(logging.INFO)
+        for name in ("aiormq", "aio_pika"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _configure_logging(debug: bool) -> None:
-    """The package's warnings on stderr, one per line; the AMQP client's own connection-error records
-    (which repeat what the command reports in one line) only with --debug."""
+def _configure_logging() -> None:
+    """For the console script: the package's warnings on stderr, one per line; the AMQP client's own
+    connection-error records (which repeat what the command reports in one line) only with --debug."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     package = logging.getLogger("lily_mongo")
     package.addHandler(handler)
-    package.setLevel(logging.INFO if debug else logging.WARNING)
+    package.setLevel(logging.WARNING)
     package.propagate = False
     for name in ("aiormq", "aio_pika"):
-        logging.getLogger(name).setLevel(logging.WARNING if debug else logging.CRITICAL)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -497,4 +500,5 @@ def inbox_stats(
 
 def main() -> None:
     """Console-script entry point."""
+    _configure_logging()
     app()
