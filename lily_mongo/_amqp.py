@@ -9,11 +9,15 @@
   bounded by a timeout, with aiormq's errors mapped to :class:`PublishError`.
 * :class:`InboundMessage` is one consumed delivery as the runtime reads and
   settles it, built straight from aiormq's delivered frame.
+* :class:`LenientFrameReader` stands between a connection's socket and aiormq's
+  frame decoder, so that one delivery whose metadata is not valid AMQP cannot
+  take the connection down (see its docstring).
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import struct
 import uuid
 from collections.abc import Mapping
@@ -24,17 +28,23 @@ import aiormq
 import aiormq.abc
 import aiormq.exceptions
 from pamqp import commands as spec
-from pamqp import common, encode
+from pamqp import common, decode, encode
+from pamqp import frame as pamqp_frame
+from pamqp import header as pamqp_header
 
-from .envelope import RETRY_COUNT_HEADER
+from ._text import sanitize
+from .bounds import RETRY_COUNT_HEADER
 from .errors import PublishError
 
 __all__ = [
     "LONG_INT_HEADERS",
+    "MALFORMED_HEADER",
     "InboundMessage",
+    "LenientFrameReader",
     "LilyProperties",
     "basic_publish",
     "encode_headers_table",
+    "publish_properties",
     "republish",
 ]
 
@@ -110,6 +120,22 @@ async def basic_publish(
         message_id=uuid.uuid4().hex,
         expiration=expiration,
     )
+    await publish_properties(
+        channel, exchange=exchange, routing_key=routing_key, body=body, properties=frame_properties, timeout=timeout
+    )
+
+
+async def publish_properties(
+    channel: aiormq.abc.AbstractChannel,
+    *,
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    properties: LilyProperties,
+    timeout: float,
+) -> None:
+    """:func:`basic_publish` with every AMQP property given: mandatory, confirmed, errors mapped."""
+    frame_properties = properties
     where = f"exchange {exchange!r} routing key {routing_key!r}"
     try:
         frame_properties.marshal()  # encode now, so a bad header fails here, not in the writer
@@ -145,6 +171,11 @@ class InboundMessage:
     costs about as much CPU as the whole delivery pipeline. The values are the
     same ones aio-pika exposes (headers, timestamp, ... as pamqp decoded them).
     A delivery is settled at most once: a second ACK/NACK/reject raises.
+
+    ``malformed`` is ``None``, or says which part of the delivery's metadata was not
+    valid AMQP when it arrived (see :class:`LenientFrameReader`); the fields then
+    hold the lenient reading, and the delivery is refused before anything else.
+    Built from a ``basic.deliver`` (consuming) or a ``basic.get-ok`` (the DLQ tools).
     """
 
     __slots__ = (
@@ -156,6 +187,7 @@ class InboundMessage:
         "delivery_tag",
         "exchange",
         "headers",
+        "malformed",
         "redelivered",
         "routing_key",
     )
@@ -163,7 +195,7 @@ class InboundMessage:
     def __init__(self, delivered: aiormq.abc.DeliveredMessage) -> None:
         properties = delivered.header.properties
         delivery = delivered.delivery
-        assert isinstance(delivery, spec.Basic.Deliver)
+        assert isinstance(delivery, spec.Basic.Deliver | spec.Basic.GetOk)
         self._properties = properties
         self._settled = False
         self.body: bytes = delivered.body
@@ -171,7 +203,10 @@ class InboundMessage:
         self.content_type: str | None = properties.content_type
         self.delivery_tag: int = delivery.delivery_tag or 0
         self.exchange: str = delivery.exchange or ""
-        self.headers: dict[str, Any] = properties.headers or {}
+        headers: dict[str, Any] = properties.headers or {}
+        self.headers = headers
+        # The lenient reader's mark: a key no producer can know (see MALFORMED_HEADER).
+        self.malformed: str | None = headers.pop(MALFORMED_HEADER, None)
         self.redelivered: bool = bool(delivery.redelivered)
         self.routing_key: str = delivery.routing_key or ""
 
@@ -210,6 +245,20 @@ class InboundMessage:
     @property
     def type(self) -> str | None:
         return self._properties.message_type
+
+    @property
+    def user_id(self) -> str | None:
+        return self._properties.user_id
+
+    def properties_with(self, headers: Mapping[str, Any], *, drop: tuple[str, ...] = ()) -> LilyProperties:
+        """Every AMQP property of this delivery as it arrived, with ``headers`` as the header table
+        and the properties named in ``drop`` left out (for a faithful copy of the message)."""
+        values = {name: getattr(self._properties, name) for name in spec.Basic.Properties.__slots__}
+        values["headers"] = dict(headers)
+        for name in drop:
+            values[name] = None
+        values["cluster_id"] = values.get("cluster_id") or ""  # pamqp encodes only an empty one
+        return LilyProperties(**values)
 
     def _claim(self, what: str) -> None:
         if self._settled:
@@ -258,3 +307,289 @@ async def republish(
         timeout=timeout,
         properties=kept,
     )
+
+
+# -- reading frames leniently ------------------------------------------------------------------------
+#
+# aiormq decodes each frame with pamqp and, when one fails, drops the whole connection
+# (InvalidFrameError). RabbitMQ accepts some metadata that pamqp cannot decode: a header
+# name (a short string) or a short-string property (content_type, message_id, type, ...)
+# that is not valid UTF-8, and a routing key that is not (through an exchange that routes
+# it anyway). Such a delivery arrives first again after every reconnect, so one message
+# would stall its queue for good. The reader below sits between one connection's socket
+# and aiormq's frame receiver: it hands frames through untouched, except a basic.deliver /
+# basic.get-ok or a content header that pamqp would refuse. Those it rewrites into what a
+# lenient decoder reads (undecodable text replaced), and it marks the delivery with a
+# header no producer can forge, so the consumer refuses it with a code instead of running
+# it. Nothing process-wide changes: pamqp's functions are untouched, and only connections
+# opened by this package (``connect_amqp``) use the reader.
+
+# The mark: a header name made of 128 random bits at import, so no message from the wire
+# can carry it; InboundMessage takes it out again before anything reads the headers.
+MALFORMED_HEADER = f"x-lily-malformed-{secrets.token_hex(16)}"
+
+_FRAME_HEAD = 7  # type (1), channel (2), payload size (4)
+_FRAME_METHOD = 1
+_FRAME_HEADER = 2
+_DELIVER = spec.Basic.Deliver.index.to_bytes(4)
+_GET_OK = spec.Basic.GetOk.index.to_bytes(4)
+# The Basic.Properties layout, in wire order: (name, flag bit, pamqp type).
+_PROPERTIES = tuple(
+    (name, spec.Basic.Properties.flags[name], getattr(spec.Basic.Properties, f"_{name}"))
+    for name in spec.Basic.Properties.__slots__
+)
+_FIXED_WIDTH = {"octet": 1, "timestamp": 8}
+# The short strings of basic.deliver and basic.get-ok, in wire order; None stands for the
+# delivery tag and the redelivered bit (9 bytes). basic.get-ok ends with a message count.
+_DELIVER_FIELDS = ("the consumer tag", None, "the exchange name", "the routing key")
+_GET_OK_FIELDS = (None, "the exchange name", "the routing key")
+_AMQP_NAMES = {"message_type": "type"}  # pamqp's attribute names that differ from the AMQP property names
+_REASON_BYTES = 300
+
+
+class LenientFrameReader:
+    """One connection's incoming byte stream, as aiormq's frame receiver reads it.
+
+    The receiver reads each frame in three calls (1 byte, 6 bytes, then the payload
+    and the frame end). Method frames and content headers are read whole first, so
+    they can be checked; body frames and heartbeats pass straight through.
+
+    Checking costs one scan per content header: the short strings and the header
+    table are tested for plain ASCII (the common case: then pamqp decodes them).
+    Only otherwise does pamqp itself try the frame, and only a frame that fails is
+    rewritten. RabbitMQ parses a header table when it accepts a message (an unknown
+    field type closes the publisher's connection), so a table's structure is sound;
+    only its text can be undecodable.
+    """
+
+    __slots__ = ("_layouts", "_passthrough", "_pending", "_problems", "_reader")
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self._reader = reader
+        self._pending = b""  # the part of the current frame not handed out yet
+        self._passthrough = False  # the rest of the current frame comes straight from the socket
+        self._problems: dict[int, str] = {}  # channel -> what its rewritten basic.deliver held
+        self._layouts: dict[int, tuple[str, ...]] = {}  # property flags -> types present (a handful occur)
+
+    def at_eof(self) -> bool:
+        return not self._pending and not self._passthrough and self._reader.at_eof()
+
+    async def read(self, n: int = -1) -> bytes:
+        if self._pending:
+            data, self._pending = self._pending, b""
+            return data
+        return await self._reader.read(n)
+
+    async def readexactly(self, n: int) -> bytes:
+        if not self._pending:
+            if self._passthrough:
+                self._passthrough = False
+                return await self._reader.readexactly(n)
+            self._pending = await self._next_frame()
+        pending = self._pending
+        if n < len(pending):
+            self._pending = pending[n:]
+            return pending[:n]
+        self._pending = b""
+        if n == len(pending):
+            return pending
+        self._passthrough = False
+        return pending + await self._reader.readexactly(n - len(pending))
+
+    async def _next_frame(self) -> bytes:
+        head = await self._reader.readexactly(_FRAME_HEAD)
+        kind = head[0]
+        if kind != _FRAME_METHOD and kind != _FRAME_HEADER:
+            # A body frame or a heartbeat (or the broker's protocol header): hand it through.
+            self._passthrough = True
+            return head
+        frame = head + await self._reader.readexactly(int.from_bytes(head[3:7]) + 1)
+        channel = int.from_bytes(head[1:3])
+        if kind == _FRAME_METHOD:
+            return self._method(frame, channel)
+        return self._content_header(frame, channel)
+
+    def _method(self, frame: bytes, channel: int) -> bytes:
+        method = frame[7:11]
+        if method == _DELIVER:
+            # Plain ASCII consumer tag, exchange and routing key (with their length bytes): readable.
+            names = 12 + frame[11]
+            if frame[12:names].isascii() and frame[names + 9 : -1].isascii():
+                return frame
+        elif method == _GET_OK:
+            if frame[20:-5].isascii():
+                return frame
+        else:
+            return frame
+        try:
+            problem, rewritten = _lenient_delivery(frame, channel, method == _DELIVER)
+        except (IndexError, ValueError, TypeError, struct.error):
+            return frame  # not a frame we can read either: leave the verdict to aiormq
+        if problem is not None:
+            self._problems[channel] = problem
+            return rewritten
+        return frame
+
+    def _content_header(self, frame: bytes, channel: int) -> bytes:
+        problem = self._problems.pop(channel, None) if self._problems else None
+        payload = frame[7:-1]
+        if problem is None:
+            if _plain_properties(payload, self._layouts):
+                return frame
+            try:
+                pamqp_header.ContentHeader().unmarshal(payload)
+                return frame  # pamqp reads it: nothing to repair
+            except (ValueError, TypeError, IndexError, struct.error):
+                pass
+        try:
+            return _rewrite_content_header(payload, channel, problem)
+        except (ValueError, TypeError, IndexError, struct.error):
+            return frame
+
+
+def _plain_properties(payload: bytes, layouts: dict[int, tuple[str, ...]]) -> bool:
+    """True when every short string and the header table are ASCII and the layout fills the frame.
+
+    ``layouts`` remembers, per property flags value, the types of the properties present.
+    """
+    try:
+        flags = (payload[12] << 8) | payload[13]
+        kinds = layouts.get(flags)
+        if kinds is None:
+            if flags & 1:
+                return False  # a continuation flag word: let pamqp judge
+            kinds = layouts[flags] = tuple(kind for _, bit, kind in _PROPERTIES if flags & bit)
+        offset = 14
+        for kind in kinds:
+            if kind == "shortstr":
+                end = offset + 1 + payload[offset]
+                if not payload[offset + 1 : end].isascii():
+                    return False
+            elif kind == "table":
+                end = offset + 4 + int.from_bytes(payload[offset : offset + 4])
+                if not payload[offset + 4 : end].isascii():
+                    return False
+            else:
+                end = offset + _FIXED_WIDTH[kind]
+            offset = end
+        return offset == len(payload)
+    except (IndexError, KeyError):
+        return False
+
+
+def _lenient_text(raw: bytes, what: str, problems: list[str]) -> str:
+    """``raw`` as text; undecodable bytes become U+FFFD (cut back to a short string's 255 bytes)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        problems.append(f"{what} is not valid UTF-8")
+    text = raw.decode("utf-8", "replace")
+    while len(text.encode("utf-8")) > 255:
+        text = text[:-1]
+    return text
+
+
+def _lenient_delivery(frame: bytes, channel: int, deliver: bool) -> tuple[str | None, bytes]:
+    """A basic.deliver / basic.get-ok whose exchange or routing key is not valid UTF-8, made readable.
+
+    The frame is spliced rather than encoded again: pamqp refuses to encode exchange
+    names it would happily decode.
+    """
+    problems: list[str] = []
+    parts: list[bytes] = [frame[7:11]]
+    offset = 11
+    for what in _DELIVER_FIELDS if deliver else _GET_OK_FIELDS:
+        if what is None:  # delivery tag (8 bytes) and the redelivered bit (1)
+            parts.append(frame[offset : offset + 9])
+            offset += 9
+            continue
+        size = frame[offset]
+        raw = frame[offset + 1 : offset + 1 + size]
+        offset += 1 + size
+        if raw.isascii():
+            parts.append(frame[offset - 1 - size : offset])
+            continue
+        text = _lenient_text(raw, what, problems)
+        parts.append(encode.short_string(text))
+    if not problems:
+        return None, frame
+    parts.append(frame[offset:-1])  # basic.get-ok's message count
+    payload = b"".join(parts)
+    return "; ".join(problems), b"".join(
+        (bytes((_FRAME_METHOD,)), channel.to_bytes(2), len(payload).to_bytes(4), payload, frame[-1:])
+    )
+
+
+def _lenient_table(data: bytes, where: str, problems: list[str]) -> tuple[int, dict[str, Any]]:
+    """pamqp's field table decoding, with undecodable names read leniently (nested ones too)."""
+    end = 4 + int.from_bytes(data[0:4])
+    if end > len(data):
+        raise ValueError("field table length exceeds the frame")
+    table: dict[str, Any] = {}
+    offset = 4
+    while offset < end:
+        size = data[offset]
+        name = _lenient_text(data[offset + 1 : offset + 1 + size], where, problems)
+        offset += 1 + size
+        consumed, value = _lenient_value(data[offset:], f"a nested header name in {sanitize(name, 40)!r}", problems)
+        table[name] = value
+        offset += consumed
+    return end, table
+
+
+def _lenient_value(data: bytes, where: str, problems: list[str]) -> tuple[int, Any]:
+    tag = data[0:1]
+    if tag == b"F":
+        consumed, value = _lenient_table(data[1:], where, problems)
+        return consumed + 1, value
+    if tag == b"A":
+        end = 5 + int.from_bytes(data[1:5])
+        items: list[Any] = []
+        offset = 5
+        while offset < end:
+            consumed, item = _lenient_value(data[offset:], where, problems)
+            items.append(item)
+            offset += consumed
+        return end, items
+    return decode.embedded_value(data)
+
+
+def _rewrite_content_header(payload: bytes, channel: int, problem: str | None) -> bytes:
+    """The content header as a lenient decoder reads it, marked with :data:`MALFORMED_HEADER`."""
+    _, weight, body_size = struct.unpack(">HHQ", payload[0:12])
+    problems = [problem] if problem else []
+    values: dict[str, Any] = {}
+    try:
+        flags, offset, word = 0, 12, 0
+        while True:
+            part = int.from_bytes(payload[offset : offset + 2])
+            flags |= part << (16 * word)
+            offset, word = offset + 2, word + 1
+            if not part & 1:
+                break
+        for name, bit, kind in _PROPERTIES:
+            if not flags & bit:
+                continue
+            data = payload[offset:]
+            if kind == "shortstr":
+                values[name] = _lenient_text(data[1 : 1 + data[0]], f"property {_AMQP_NAMES.get(name, name)}", problems)
+                consumed = 1 + data[0]
+            elif kind == "table":
+                consumed, values[name] = _lenient_table(data, "a header name", problems)
+            else:
+                consumed, values[name] = decode.by_type(data, kind)
+            offset += consumed
+    except (IndexError, ValueError, TypeError, struct.error):
+        problems.append("the message properties cannot be parsed")
+        values = {}
+    reason = sanitize("; ".join(problems) or "the message properties cannot be decoded", _REASON_BYTES)
+    headers = values.get("headers")
+    values["headers"] = {**(headers if isinstance(headers, dict) else {}), MALFORMED_HEADER: reason}
+    try:
+        properties = LilyProperties(**values)
+        return pamqp_frame.marshal(pamqp_header.ContentHeader(weight, body_size, properties), channel)
+    except (ValueError, TypeError, struct.error):
+        # The lenient reading does not encode again (a delivery mode pamqp refuses, say):
+        # keep only the mark.
+        properties = LilyProperties(headers={MALFORMED_HEADER: reason})
+        return pamqp_frame.marshal(pamqp_header.ContentHeader(weight, body_size, properties), channel)

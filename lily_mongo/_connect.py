@@ -1,45 +1,228 @@
-"""Connection helpers shared by the publisher, the consumer and the CLI."""
+"""Connection helpers shared by the publisher, the consumer and the CLI.
+
+Redaction reads a URL with the same rules as the client that connects with it:
+yarl for AMQP URLs (what aio-pika and aiormq parse), PyMongo's URI rules for
+MongoDB URIs. A password may hold ``@`` or ``:``: cutting at the first ``@``
+would leave most of it on show.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import re
+import socket
+import urllib.parse
+from typing import Any, cast
 
 import aio_pika
 import aio_pika.abc
+import aiormq.connection
 import aiormq.exceptions
 from aio_pika.connection import make_url
+from pymongo import AsyncMongoClient
+from pymongo.errors import ConfigurationError, ConnectionFailure, OperationFailure, PyMongoError
+from yarl import URL
 
+from ._amqp import LenientFrameReader
 from ._tasks import uncancellable
-from .errors import TransportError
+from .errors import ConfigError, TransportError
 
-__all__ = ["connect_amqp", "redact_url"]
+__all__ = ["LenientTransport", "connect_amqp", "open_mongo", "redact_url", "scrub"]
 
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:@/]*)(?::[^@/]*)?@")
+_MASK = "***"
+_MONGO_SCHEMES = ("mongodb://", "mongodb+srv://")
+# MongoDB URI options whose values are secrets (compared case-insensitively, as PyMongo does).
+_MONGO_SECRET_OPTIONS = frozenset({"tlscertificatekeyfilepassword", "authmechanismproperties"})
 
 
 def redact_url(url: str) -> str:
-    """Replace the password in a URL with ``***`` so it can appear in logs and reports."""
-    return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", url)
+    """``url`` with its password (and secret options) replaced by ``***``, for logs, reprs and errors."""
+    if not isinstance(url, str):
+        return f"<{type(url).__name__}, not a URL>"
+    if url.lower().startswith(_MONGO_SCHEMES):
+        return _redact_mongo(url)
+    return _redact_amqp(url)
+
+
+def _redact_amqp(url: str) -> str:
+    try:
+        parsed = URL(url)
+    except (ValueError, TypeError):
+        return _redact_opaque(url)
+    return url if parsed.password is None else str(parsed.with_password(_MASK))
+
+
+def _redact_mongo(url: str) -> str:
+    # PyMongo's rules: the options start at the first '?', the database at the first '/'
+    # before them, and the user information ends at the LAST '@' of the host part.
+    scheme, _, rest = url.partition("://")
+    host_and_db, question, options = rest.partition("?")
+    host_part, slash, database = host_and_db.partition("/")
+    userinfo, at, hosts = host_part.rpartition("@")
+    if at and ":" in userinfo:
+        user = userinfo.partition(":")[0]
+        host_part = f"{user}:{_MASK}@{hosts}" if "@" not in user else f"{_MASK}@{hosts}"
+    if options:
+        options = "&".join(_redact_option(option) for option in options.split("&"))
+    return f"{scheme}://{host_part}{slash}{database}{question}{options}"
+
+
+def _redact_option(option: str) -> str:
+    name, equals, _ = option.partition("=")
+    return f"{name}={_MASK}" if equals and name.lower() in _MONGO_SECRET_OPTIONS else option
+
+
+def _redact_opaque(url: str) -> str:
+    """A URL its parser refuses: keep the scheme and what follows the last '@', hide the rest."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return _MASK
+    return f"{scheme}://{_MASK}@{rest.rpartition('@')[2]}" if "@" in rest else url
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` (an error message from a client library) without ``url``'s password in any spelling."""
+    if not url:
+        return text
+    redacted = redact_url(url)
+    if url in text:
+        # The URL shown redacted, and the password masked everywhere else.
+        return redacted.join(scrub(part, url) for part in text.split(url))
+    secrets: set[str] = set()
+    if url.lower().startswith(_MONGO_SCHEMES):
+        userinfo = url.partition("://")[2].partition("?")[0].partition("/")[0].rpartition("@")[0]
+        if ":" in userinfo:
+            secrets.add(userinfo.partition(":")[2])
+    else:
+        with contextlib.suppress(ValueError, TypeError):
+            password = URL(url).password
+            if password:
+                secrets.add(password)
+    for secret in list(secrets):
+        secrets.update({urllib.parse.quote(secret, safe=""), urllib.parse.unquote_plus(secret)})
+    parts = text.split(redacted) if redacted in text else [text]
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        parts = [part.replace(secret, _MASK) for part in parts]
+    return redacted.join(parts)
+
+
+def _connection_error(url: str, exc: BaseException) -> TransportError:
+    """One sentence saying what refused the connection, with the URL redacted (aiormq's
+    exceptions name a Connection.Close frame object for a refused virtual host)."""
+    where = redact_url(url)
+    if isinstance(exc, aiormq.exceptions.ProbableAuthenticationError | aiormq.exceptions.AuthenticationError):
+        return TransportError(f"RabbitMQ at {where} refused the login (ACCESS_REFUSED): check the user and password")
+    if isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.Close" in str(exc):
+        with contextlib.suppress(ValueError, TypeError):
+            vhost = URL(url).path[1:] or "/"
+            return TransportError(
+                f"RabbitMQ at {where} refused to open virtual host {vhost!r}: it does not exist, or the user "
+                "may not access it"
+            )
+    if isinstance(exc, OSError | TimeoutError) and not isinstance(exc, aiormq.exceptions.AMQPError):
+        return TransportError(f"RabbitMQ is not reachable at {where} ({_os_detail(exc)})", unreachable=True)
+    if isinstance(exc, aiormq.exceptions.AMQPConnectionError):
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else None
+        detail = _os_detail(cause) if cause is not None else _amqp_detail(exc)
+        return TransportError(f"RabbitMQ is not reachable at {where} ({detail})", unreachable=True)
+    return TransportError(f"connecting to RabbitMQ at {where} failed ({type(exc).__name__})")
+
+
+def _os_detail(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, socket.gaierror):
+        return "unknown host"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return type(exc).__name__
+
+
+def _amqp_detail(exc: aiormq.exceptions.AMQPConnectionError) -> str:
+    args = exc.args
+    if len(args) == 2 and isinstance(args[1], str):
+        return args[1]  # (errno, text): how aiormq wraps the socket's OSError
+    return type(exc).__name__
+
+
+class LenientTransport(aiormq.connection.TransportFactory):
+    """aiormq's own TCP or TLS transport, read through a :class:`LenientFrameReader`.
+
+    Given to one connection (aio-pika passes it to each aiormq connection it opens,
+    reconnects included), so the lenient reading is scoped to the connections this
+    package opens; every other AMQP client in the process is left as it is.
+    """
+
+    def __init__(self, *, tls: bool) -> None:
+        self._transport = aiormq.connection.TLSTransportFactory() if tls else aiormq.connection.TCPTransportFactory()
+
+    async def create(self, url: URL, **kwargs: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await self._transport.create(url, **kwargs)
+        # aiormq's frame receiver reads the stream with at_eof(), read() and readexactly() only.
+        return cast(asyncio.StreamReader, LenientFrameReader(reader)), writer
 
 
 async def connect_amqp(url: str, *, robust: bool = True) -> aio_pika.abc.AbstractConnection:
     """Open an AMQP connection (robust by default: it reconnects and restores topology).
 
+    The connection reads frames through :class:`LenientTransport`: a delivery whose
+    metadata pamqp cannot decode arrives marked (``InboundMessage.malformed``)
+    instead of closing the connection.
+    Raises :class:`TransportError` naming what refused the connection (unreachable,
+    login refused, virtual host refused), with the URL's password redacted.
     Cancelling the caller while the connection is being opened closes it: a robust
     connection starts background tasks that would otherwise outlive the caller.
     """
-    connection: aio_pika.abc.AbstractConnection = (
+    made: aio_pika.Connection = (
         aio_pika.RobustConnection(make_url(url)) if robust else aio_pika.Connection(make_url(url))
     )
+    # aio-pika hands its keyword arguments to every aiormq connection it opens (reconnects
+    # too); it keeps only the ones it knows from a constructor call, so set this one here.
+    made.kwargs["transport_factory"] = LenientTransport(tls=made.url.scheme == "amqps")
+    connection: aio_pika.abc.AbstractConnection = made
     try:
         await connection.connect()
     except BaseException as exc:
         with contextlib.suppress(Exception):
             await uncancellable(connection.close())
         if isinstance(exc, aiormq.exceptions.AMQPError | OSError | TimeoutError):
-            raise TransportError(
-                f"cannot connect to RabbitMQ at {redact_url(url)}: {type(exc).__name__}: {exc}"[:500]
-            ) from exc
+            raise _connection_error(url, exc) from exc
         raise
     return connection
+
+
+# PyMongo's code for a refused login (AuthenticationFailed).
+_AUTHENTICATION_FAILED = 18
+
+
+async def open_mongo(uri: str, *, timeout: float = 10.0) -> AsyncMongoClient[Any]:
+    """A client for ``uri`` that has answered a ping; the caller closes it.
+
+    ``timeout`` bounds server selection unless the URI sets ``serverSelectionTimeoutMS``
+    itself. Raises :class:`ConfigError` for a URI PyMongo refuses, :class:`TransportError`
+    when no server answers or the login is refused, with the URI redacted.
+    """
+    where = redact_url(uri)
+    options: dict[str, Any] = {}
+    if "serverselectiontimeoutms" not in uri.lower():
+        options["serverSelectionTimeoutMS"] = int(timeout * 1000)
+    try:
+        client: AsyncMongoClient[Any] = AsyncMongoClient(uri, **options)
+    except ConfigurationError as exc:  # InvalidURI is one
+        raise ConfigError(f"the MongoDB URI {where} is not valid: {scrub(str(exc), uri)}"[:300]) from exc
+    try:
+        await client.admin.command("ping")
+    except BaseException as exc:
+        await client.close()
+        if isinstance(exc, OperationFailure) and exc.code == _AUTHENTICATION_FAILED:
+            raise TransportError(f"MongoDB at {where} refused the login: check the user and password") from exc
+        if isinstance(exc, ConnectionFailure):
+            raise TransportError(
+                f"MongoDB is not reachable at {where} (no server answered in time)", unreachable=True
+            ) from exc
+        if isinstance(exc, PyMongoError):
+            raise TransportError(f"MongoDB at {where} failed: {type(exc).__name__}") from exc
+        raise
+    return client

@@ -1,5 +1,11 @@
 """The ``lily-mongo`` command: run, demo, asyncapi, dlq, inbox.
 
+A thin shell: each command parses its options, calls the package (``lifecycle``,
+``demo``, ``asyncapi``, ``dlq``, ``inbox.inbox_stats``) and prints the result. Errors
+end the command with one line on stderr saying what failed and what to do, and
+a documented exit status; ``--debug`` adds the traceback (never local
+variables, and with passwords masked).
+
 Needs the ``cli`` extra (``pip install 'lily-mongo[cli]'``): typer for the
 commands, rich for progress and tables, PyYAML for YAML output.
 """
@@ -7,11 +13,19 @@ commands, rich for progress and tables, PyYAML for YAML output.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
+import functools
 import importlib
+import inspect
 import json
+import logging
 import os
 import sys
-from typing import Annotated, Any
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any, NoReturn
 
 try:
     import typer
@@ -23,62 +37,235 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
     print(f"lily-mongo needs the 'cli' extra: pip install 'lily-mongo[cli]' ({exc.name} is missing)", file=sys.stderr)
     raise SystemExit(2) from exc
 
-import aio_pika
-from pymongo import AsyncMongoClient
+import aiormq.exceptions
+from pymongo.errors import ConfigurationError, PyMongoError
 
 from . import inbox as inbox_records
-from ._amqp import republish
-from ._connect import redact_url
+from ._connect import open_mongo, redact_url, scrub
+from ._text import describe_value
 from .asyncapi import asyncapi_document
-from .envelope import EVENT_ID_HEADER, RETRY_COUNT_HEADER
-from .errors import LilyError, PublishError
+from .dlq import DlqListing, list_dead_letters, replay_dead_letters
+from .errors import ConfigError, LilyError, PublishError, TransportError
 from .inbox import InboxOptions
 from .lifecycle import Consumer
+from .plan import routes_of
 
-__all__ = ["app", "main"]
+__all__ = ["ExitCode", "app", "main"]
 
+
+class ExitCode(enum.IntEnum):
+    """The command's exit status (also in ``--help`` and docs/operations.md)."""
+
+    OK = 0
+    FAILED = 1  # the command ran and failed (a failed or forced shutdown, a ledger mismatch, nothing to replay)
+    USAGE = 2  # bad usage: an option, a target that is not a Consumer, a plan error, a queue that does not exist
+    UNAVAILABLE = 3  # RabbitMQ or MongoDB unreachable, or refusing the login or virtual host
+
+
+EXIT_CODES = (
+    "Exit status: 0 success; 1 the command failed (run: a forced or failed shutdown); 2 bad usage (an option, "
+    "a target that is not a Consumer, an invalid plan, a queue that does not exist); 3 RabbitMQ or MongoDB "
+    "unreachable or refusing the connection. Errors are one line on stderr; --debug adds the traceback."
+)
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Operate lily_mongo consumers.")
-dlq_app = typer.Typer(no_args_is_help=True, help="Inspect and replay dead-lettered messages.")
-inbox_app = typer.Typer(no_args_is_help=True, help="Inbox, lease and outbox statistics.")
+DEFAULT_MONGO_URI = "mongodb://127.0.0.1:27017/"
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Operate lily_mongo consumers.",
+    epilog=EXIT_CODES,
+    # Tracebacks with local variables would print URLs with their passwords; errors are
+    # reported by the commands themselves (one line, or a plain traceback with --debug).
+    pretty_exceptions_enable=False,
+    pretty_exceptions_show_locals=False,
+)
+dlq_app = typer.Typer(no_args_is_help=True, help="Inspect and replay dead-lettered messages.", epilog=EXIT_CODES)
+inbox_app = typer.Typer(no_args_is_help=True, help="Inbox, lease and outbox statistics.", epilog=EXIT_CODES)
 app.add_typer(dlq_app, name="dlq")
 app.add_typer(inbox_app, name="inbox")
 console = Console()
 err_console = Console(stderr=True)
 
+_AMQP_HINT = "is it running? Check --amqp-url (or LILY_AMQP_URL)"
 AmqpOption = Annotated[str, typer.Option("--amqp-url", envvar="LILY_AMQP_URL", help="RabbitMQ URL.")]
 MongoOption = Annotated[str, typer.Option("--mongo-uri", envvar="LILY_MONGO_URI", help="MongoDB URI.")]
 
 
+@dataclass(frozen=True)
+class _Settings:
+    debug: bool
+
+
+@app.callback()
+def _options(
+    ctx: typer.Context,
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", envvar="LILY_MONGO_DEBUG", help="Show the traceback of an error (passwords masked)."),
+    ] = False,
+) -> None:
+    ctx.obj = _Settings(debug=debug)
+    if debug:
+        logging.getLogger("lily_mongo").setLevel(logging.INFO)
+        for name in ("aiormq", "aio_pika"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _configure_logging() -> None:
+    """For the console script: the package's warnings on stderr, one per line; the AMQP client's own
+    connection-error records (which repeat what the command reports in one line) only with --debug."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    package = logging.getLogger("lily_mongo")
+    package.addHandler(handler)
+    package.setLevel(logging.WARNING)
+    package.propagate = False
+    for name in ("aiormq", "aio_pika"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+
+class CommandError(Exception):
+    """An error a command reports as one line, with its exit status."""
+
+    def __init__(self, code: ExitCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _classify(exc: BaseException, unreachable_hint: str = "") -> tuple[ExitCode, str]:
+    """The exit status and the one line for an exception that ended a command."""
+    if isinstance(exc, CommandError):
+        return exc.code, str(exc)
+    if isinstance(exc, PublishError):
+        return ExitCode.FAILED, f"{exc}; nothing was lost: the message stays where it was"
+    if isinstance(exc, TransportError):
+        return ExitCode.UNAVAILABLE, f"{exc}{'; ' + unreachable_hint if exc.unreachable and unreachable_hint else ''}"
+    if isinstance(exc, ConfigError):  # PlanError included
+        return ExitCode.USAGE, str(exc)
+    if isinstance(exc, ConfigurationError):  # PyMongo: an invalid URI or option
+        return ExitCode.USAGE, f"MongoDB configuration: {exc}"
+    if isinstance(exc, aiormq.exceptions.ChannelAccessRefused):
+        return ExitCode.UNAVAILABLE, f"RabbitMQ refused access: {exc.args[0] if exc.args else 'ACCESS_REFUSED'}"
+    if isinstance(exc, aiormq.exceptions.AMQPError | PyMongoError | OSError):
+        return ExitCode.UNAVAILABLE, f"connection failed: {type(exc).__name__}"
+    if isinstance(exc, LilyError):
+        return ExitCode.FAILED, str(exc)
+    return ExitCode.FAILED, f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)"
+
+
+@contextlib.contextmanager
+def _reported(ctx: typer.Context, *urls: str | None, unreachable: str = "") -> Iterator[None]:
+    """End the command on any error with one line (and the traceback with --debug), passwords masked.
+
+    ``unreachable`` is the advice appended when nothing answered at a URL.
+    """
+    try:
+        yield
+    except (typer.Exit, typer.Abort, typer.TyperException):
+        raise
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except Exception as exc:
+        code, message = _classify(exc, unreachable)
+        settings = ctx.find_object(_Settings)
+        if settings is not None and settings.debug:
+            _err("".join(traceback.format_exception(exc)).rstrip(), urls)
+        _err(f"error: {message}", urls)
+        raise typer.Exit(code) from None
+
+
+def _err(text: str, urls: tuple[str | None, ...] = ()) -> None:
+    for url in urls:
+        if url:
+            text = scrub(text, url)
+    err_console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _fail(code: ExitCode, message: str) -> NoReturn:
+    raise CommandError(code, message)
+
+
+# -- targets -----------------------------------------------------------------------------------------
+
+
 def load_consumer(target: str) -> Consumer:
-    """Import ``module:attribute`` and return the Consumer it names (a factory function is called)."""
+    """Import ``module:attribute``: a Consumer, or a plain function taking no arguments that returns one.
+
+    Anything else (a class, an async function or ``@queue`` handler, a function that
+    needs arguments or returns something else) is refused without being called on a guess.
+    """
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
-        raise typer.BadParameter(f"expected module:attribute, got {target!r}")
-    sys.path.insert(0, os.getcwd())
+        _fail(ExitCode.USAGE, f"expected module:attribute (for example myservice:consumer), got {target!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise typer.BadParameter(f"cannot import {module_name!r}: {exc}") from exc
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            _fail(ExitCode.USAGE, f"cannot import {module_name!r}: no such module (run from your project's root)")
+        _fail(ExitCode.USAGE, f"importing {module_name!r} failed: {exc}")
+    except Exception as exc:
+        _fail(ExitCode.USAGE, f"importing {module_name!r} failed: {type(exc).__name__}: {exc}")
     value = getattr(module, attribute, None)
     if value is None:
-        raise typer.BadParameter(f"module {module_name!r} has no attribute {attribute!r}")
-    if callable(value) and not isinstance(value, Consumer):
-        value = value()
-    if not isinstance(value, Consumer):
-        raise typer.BadParameter(f"{target} is a {type(value).__name__}, not a lily_mongo.Consumer")
-    return value
+        _fail(ExitCode.USAGE, f"module {module_name!r} has no attribute {attribute!r}")
+    if isinstance(value, Consumer):
+        return value
+    expected = "give a lily_mongo.Consumer, or a function taking no arguments that returns one"
+    if isinstance(value, type):
+        _fail(ExitCode.USAGE, f"{target} is a class ({value.__name__}), not a lily_mongo.Consumer; {expected}")
+    if routes_of(value):
+        _fail(ExitCode.USAGE, f"{target} is a @queue handler, not a lily_mongo.Consumer; {expected}")
+    if inspect.iscoroutinefunction(value) or inspect.isasyncgenfunction(value):
+        _fail(ExitCode.USAGE, f"{target} is an async function, not a lily_mongo.Consumer; {expected}")
+    if not (inspect.isfunction(value) or inspect.ismethod(value) or isinstance(value, functools.partial)):
+        _fail(ExitCode.USAGE, f"{target} is a {type(value).__name__}, not a lily_mongo.Consumer; {expected}")
+    required = [
+        p.name
+        for p in inspect.signature(value).parameters.values()
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if required:
+        _fail(ExitCode.USAGE, f"{target} needs arguments ({', '.join(required)}); {expected}")
+    try:
+        made = value()
+    except Exception as exc:
+        _fail(ExitCode.USAGE, f"calling {target}() failed: {type(exc).__name__}: {exc}")
+    if inspect.isawaitable(made):
+        if inspect.iscoroutine(made):
+            made.close()
+        _fail(ExitCode.USAGE, f"{target}() returned an awaitable, not a lily_mongo.Consumer; {expected}")
+    if not isinstance(made, Consumer):
+        _fail(ExitCode.USAGE, f"{target}() returned {describe_value(made)}, not a lily_mongo.Consumer; {expected}")
+    return made
 
 
-@app.command()
-def run(target: Annotated[str, typer.Argument(help="module:consumer (a Consumer or a factory returning one)")]) -> None:
+def _consumer_urls(consumer: Consumer | None) -> str | None:
+    return getattr(consumer, "_amqp_url", None) if consumer is not None else None
+
+
+# -- run, asyncapi, demo -----------------------------------------------------------------------------
+
+
+@app.command(epilog=EXIT_CODES)
+def run(
+    ctx: typer.Context,
+    target: Annotated[str, typer.Argument(help="module:consumer (a Consumer or a factory returning one)")],
+) -> None:
     """Run a consumer until SIGTERM/SIGINT (graceful); a second signal forces. Prints the shutdown report.
 
-    Exit status: 0 after a graceful shutdown that succeeded, 1 after a failed or forced one, 2 on a bad target.
+    Exit status: 0 after a graceful shutdown that succeeded, 1 after a failed or forced one, 2 on a bad
+    target or plan, 3 when RabbitMQ or MongoDB cannot be reached.
     """
+    consumer: Consumer | None = None
 
     async def main() -> int:
-        consumer = load_consumer(target)
+        assert consumer is not None
         managed = await consumer.start()
         uninstall = managed.install_signal_handlers()
         err_console.print(f"[green]running[/] {consumer.name} ({len(managed.plan.queues)} queues); Ctrl-C to stop")
@@ -86,65 +273,66 @@ def run(target: Annotated[str, typer.Argument(help="module:consumer (a Consumer 
             report = await managed.wait()
         finally:
             uninstall()
-        console.print(report.render())
+        console.print(report.render(), markup=False, highlight=False)
         # Non-zero when anything is unresolved or unobserved, and when the graceful
         # window did not suffice (a forced shutdown), so supervisors notice.
-        return 0 if report.succeeded and not report.forced else 1
+        return ExitCode.OK if report.succeeded and not report.forced else ExitCode.FAILED
 
-    try:
+    with _reported(ctx):
+        consumer = load_consumer(target)
+    with _reported(ctx, _consumer_urls(consumer), unreachable="is it running? Check the consumer's amqp_url"):
         code = asyncio.run(main())
-    except LilyError as exc:
-        err_console.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from exc
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def asyncapi(
+    ctx: typer.Context,
     target: Annotated[str, typer.Argument(help="module:consumer")],
     fmt: Annotated[str, typer.Option("--format", help="json or yaml")] = "yaml",
 ) -> None:
-    """Print the AsyncAPI 3.0 document of a consumer's handlers."""
-    if fmt not in ("json", "yaml"):
-        raise typer.BadParameter(f"--format must be json or yaml, got {fmt!r}")
-    document = asyncapi_document(load_consumer(target).plan())
+    """Print the AsyncAPI 3.0 document of a consumer's handlers and declared outgoing messages."""
+    with _reported(ctx):
+        if fmt not in ("json", "yaml"):
+            _fail(ExitCode.USAGE, f"--format must be json or yaml, got {fmt!r}")
+        consumer = load_consumer(target)
+        document = asyncapi_document(consumer.plan(), outgoing=consumer.outgoing)
     if fmt == "json":
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
     else:
         sys.stdout.write(yaml.safe_dump(document, sort_keys=False, allow_unicode=True))
 
 
-@app.command()
+@app.command(epilog=EXIT_CODES)
 def demo(
+    ctx: typer.Context,
     orders: Annotated[int, typer.Option(min=10, max=1_000_000, help="Orders to publish.")] = 300,
     seed: Annotated[int | None, typer.Option(help="Workload seed (random by default).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the workload to settle.")] = 180.0,
 ) -> None:
     """Run the example orders service on the embedded MongoDB (or LILY_MONGO_URI) and check its ledger."""
-    from .demo import BrokerUnavailable, run_demo
+    from .demo import run_demo
 
     amqp_url = os.environ.get("LILY_AMQP_URL", DEFAULT_AMQP_URL)
     mongo_uri = os.environ.get("LILY_MONGO_URI")
-    where = "LILY_MONGO_URI" if mongo_uri else "the embedded MongoDB-wire server"
-    err_console.print(f"orders demo: {orders} orders, RabbitMQ {redact_url(amqp_url)}, MongoDB: {where}")
-    with Progress(
-        TextColumn("[bold]settling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console
-    ) as bar:
+    where = redact_url(mongo_uri) if mongo_uri else "the embedded MongoDB-wire server"
+    _err(f"orders demo: {orders} orders, RabbitMQ {redact_url(amqp_url)}, MongoDB: {where}")
+    with (
+        _reported(ctx, amqp_url, mongo_uri),
+        Progress(
+            TextColumn("[bold]settling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console
+        ) as bar,
+    ):
         task = bar.add_task("settle", total=None)
 
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        try:
-            result = asyncio.run(
-                run_demo(
-                    orders=orders, amqp_url=amqp_url, mongo_uri=mongo_uri, seed=seed, timeout=timeout, progress=progress
-                )
+        result = asyncio.run(
+            run_demo(
+                orders=orders, amqp_url=amqp_url, mongo_uri=mongo_uri, seed=seed, timeout=timeout, progress=progress
             )
-        except BrokerUnavailable as exc:
-            bar.stop()
-            err_console.print(f"[red]error:[/] {exc}")
-            raise typer.Exit(3) from exc
+        )
     table = Table(title="orders demo summary", show_header=True)
     table.add_column("measure")
     table.add_column("value", justify="right")
@@ -169,158 +357,140 @@ def demo(
         console.print(f"[red]ledger:[/] {problem}")
     if result.shutdown is not None and not result.shutdown.succeeded:
         console.print(result.shutdown.render())
-    raise typer.Exit(0 if result.ledger_ok else 1)
+    raise typer.Exit(ExitCode.OK if result.ledger_ok else ExitCode.FAILED)
 
 
-def _decode(value: Any) -> str:
-    if isinstance(value, bytes | bytearray):
-        return bytes(value).decode("utf-8", "replace")
-    return str(value)
+# -- dlq ---------------------------------------------------------------------------------------------
+
+_DLQ_COLUMNS: tuple[tuple[str, Callable[[Any], object]], ...] = (
+    ("event id", lambda m: m.event_id or "-"),
+    ("origin", lambda m: m.origin),
+    ("code", lambda m: m.display_code()),
+    ("reason", lambda m: m.reason or "-"),
+    ("failed at", lambda m: m.failed_at or "-"),
+    ("retries", lambda m: "-" if m.retry_count is None else m.retry_count),
+    ("bytes", lambda m: m.bytes),
+)
 
 
-@dlq_app.command("list")
+def _print_listing(listing: DlqListing, as_json: bool) -> None:
+    summary = (
+        f"{listing.dlq}: {listing.total} message(s), {len(listing.messages)} listed "
+        "(each put back at the end of the queue)"
+    )
+    if as_json:
+        for message in listing.messages:
+            sys.stdout.write(json.dumps(message.as_json()) + "\n")
+        _err(summary)
+        return
+    table = Table(title=summary, show_lines=False)
+    for name, _ in _DLQ_COLUMNS:
+        # Whole values: an event id is never cut; long cells fold onto more lines.
+        table.add_column(name, overflow="fold", min_width=36 if name == "event id" else None)
+    for message in listing.messages:
+        table.add_row(*(str(cell(message)) for _, cell in _DLQ_COLUMNS))
+    console.print(table)
+    if any(m.malformed for m in listing.messages):
+        _err("some messages' metadata was not valid UTF-8 and is shown as read leniently (--json: 'malformed')")
+
+
+@dlq_app.command("list", epilog=EXIT_CODES)
 def dlq_list(
+    ctx: typer.Context,
     queue: Annotated[str, typer.Argument(help="The work queue (its DLQ is QUEUE.dlq).")],
     amqp_url: AmqpOption = DEFAULT_AMQP_URL,
-    limit: Annotated[int, typer.Option(min=1, max=10_000)] = 100,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+    limit: Annotated[int, typer.Option(min=1, max=10_000, help="List at most this many messages.")] = 100,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per message and line.")] = False,
 ) -> None:
-    """List dead-lettered messages (bounded), leaving them in the DLQ."""
+    """List dead-lettered messages, oldest first, leaving them in the DLQ (moved to its end).
 
-    async def main() -> list[dict[str, Any]]:
-        connection = await aio_pika.connect(amqp_url)
-        try:
-            channel = await connection.channel()
-            dlq = await channel.declare_queue(f"{queue}.dlq", passive=True)
-            rows: list[dict[str, Any]] = []
-            messages = []
-            while len(rows) < limit:
-                message = await dlq.get(no_ack=False, fail=False)
-                if message is None:
-                    break
-                messages.append(message)
-                headers = message.headers or {}
-                rows.append(
-                    {
-                        "event_id": _decode(headers.get(EVENT_ID_HEADER, "")),
-                        "code": _decode(headers.get("x-lily-failure-code", "broker-native")),
-                        "reason": _decode(headers.get("x-lily-failure-reason", ""))[:200],
-                        "failed_at": _decode(headers.get("x-lily-failed-at", "")),
-                        "retry_count": headers.get(RETRY_COUNT_HEADER, 0),
-                        "bytes": len(message.body),
-                    }
-                )
-            # Listing must not consume: put every inspected message back.
-            for message in messages:
-                await message.nack(requeue=True)
-            return rows
-        finally:
-            await connection.close()
-
-    rows = asyncio.run(main())
-    if as_json:
-        for row in rows:
-            sys.stdout.write(json.dumps(row) + "\n")
-        return
-    table = Table(title=f"{queue}.dlq ({len(rows)} shown)")
-    for column in ("event_id", "code", "reason", "failed_at", "retry_count", "bytes"):
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*(str(row[c]) for c in ("event_id", "code", "reason", "failed_at", "retry_count", "bytes")))
-    console.print(table)
+    The origin column tells library copies (the consumer wrote the failure code) from broker
+    dead letters (RabbitMQ moved the original, e.g. an oversize body); a failure code the
+    evidence does not back is shown as untrusted.
+    """
+    with _reported(ctx, amqp_url, unreachable=_AMQP_HINT):
+        listing = asyncio.run(list_dead_letters(amqp_url, queue, limit=limit))
+    _print_listing(listing, as_json)
 
 
-@dlq_app.command("replay")
+@dlq_app.command("replay", epilog=EXIT_CODES)
 def dlq_replay(
+    ctx: typer.Context,
     queue: Annotated[str, typer.Argument(help="The work queue; messages move from QUEUE.dlq back to QUEUE.")],
-    event_id: Annotated[list[str] | None, typer.Option("--event-id", help="Replay only these event ids.")] = None,
+    event_id: Annotated[
+        list[str] | None, typer.Option("--event-id", help="Replay the message with this event id (repeatable).")
+    ] = None,
     replay_all: Annotated[bool, typer.Option("--all", help="Replay every message in the DLQ.")] = False,
     reset_retries: Annotated[bool, typer.Option("--reset-retries", help="Set x-retry-count to 0.")] = False,
     amqp_url: AmqpOption = DEFAULT_AMQP_URL,
-    limit: Annotated[int, typer.Option(min=1, max=100_000)] = 10_000,
+    limit: Annotated[int, typer.Option(min=1, max=100_000, help="Inspect at most this many messages.")] = 10_000,
 ) -> None:
-    """Move dead-lettered messages back to the work queue: publish + confirm, then ACK the DLQ copy."""
-    if not replay_all and not event_id:
-        raise typer.BadParameter("give --event-id (repeatable) or --all")
-    wanted = set(event_id or ())
+    """Move dead-lettered messages back to the work queue: publish + confirm, then ACK the DLQ copy.
 
-    async def main() -> tuple[int, int]:
-        connection = await aio_pika.connect(amqp_url)
-        moved = skipped = 0
-        try:
-            channel = await connection.channel()
-            publish_channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-            underlay = await publish_channel.get_underlay_channel()
-            dlq = await channel.declare_queue(f"{queue}.dlq", passive=True)
-            await channel.declare_queue(queue, passive=True)
-            held = []
-            for _ in range(limit):
-                message = await dlq.get(no_ack=False, fail=False)
-                if message is None:
-                    break
-                headers = dict(message.headers or {})
-                if not replay_all and _decode(headers.get(EVENT_ID_HEADER, "")) not in wanted:
-                    held.append(message)
-                    skipped += 1
-                    continue
-                for key in (
-                    "x-lily-failure-code",
-                    "x-lily-failure-reason",
-                    "x-lily-failed-queue",
-                    "x-lily-failed-at",
-                    "x-death",
-                    "x-first-death-exchange",
-                    "x-first-death-queue",
-                    "x-first-death-reason",
-                    "x-last-death-exchange",
-                    "x-last-death-queue",
-                    "x-last-death-reason",
-                ):
-                    headers.pop(key, None)
-                if reset_retries:
-                    headers[RETRY_COUNT_HEADER] = 0
-                try:
-                    await republish(underlay, message, routing_key=queue, headers=headers, timeout=10.0)
-                except PublishError:
-                    await message.nack(requeue=True)  # nothing lost: it stays in the DLQ
-                    raise
-                await message.ack()
-                moved += 1
-            for message in held:
-                await message.nack(requeue=True)
-        finally:
-            await connection.close()
-        return moved, skipped
-
-    moved, skipped = asyncio.run(main())
-    console.print(f"replayed {moved} message(s) from {queue}.dlq to {queue}; {skipped} left in the DLQ")
+    Give --event-id (repeatable) or --all, not both. An event id found on no message ends with
+    status 1 (the others are replayed).
+    """
+    with _reported(ctx, amqp_url, unreachable=_AMQP_HINT):
+        if replay_all and event_id:
+            _fail(ExitCode.USAGE, "give --event-id or --all, not both (--all would replay every message)")
+        if not replay_all and not event_id:
+            _fail(ExitCode.USAGE, "give --event-id (repeatable) or --all")
+        result = asyncio.run(
+            replay_dead_letters(
+                amqp_url,
+                queue,
+                event_ids=event_id or (),
+                replay_all=replay_all,
+                reset_retries=reset_retries,
+                limit=limit,
+            )
+        )
+        console.print(
+            f"replayed {result.moved} message(s) from {queue}.dlq to {queue}; {result.kept} left in the DLQ",
+            markup=False,
+            highlight=False,
+        )
+        if result.missing:
+            _fail(
+                ExitCode.FAILED,
+                f"no message in {queue}.dlq carries event id {', '.join(result.missing)} "
+                f"({result.scanned} message(s) inspected)",
+            )
 
 
-@inbox_app.command("stats")
+# -- inbox -------------------------------------------------------------------------------------------
+
+
+@inbox_app.command("stats", epilog=EXIT_CODES)
 def inbox_stats(
+    ctx: typer.Context,
     database: Annotated[str, typer.Argument(help="The consumer's database.")],
-    mongo_uri: MongoOption = "mongodb://127.0.0.1:27017/",
+    mongo_uri: MongoOption = DEFAULT_MONGO_URI,
     records: Annotated[str, typer.Option(help="The inbox record collection (InboxOptions.records).")] = "lily_inbox",
     outbox: Annotated[str, typer.Option(help="The outbox collection (InboxOptions.outbox).")] = "lily_outbox",
+    timeout: Annotated[
+        float, typer.Option(min=0.1, max=600, help="Seconds to wait for a MongoDB server to answer.")
+    ] = 10.0,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Completed records, live and expired leases, outbox pending/published/failed, per handler."""
     options = InboxOptions(records=records, outbox=outbox)
 
     async def main() -> dict[str, dict[str, int]]:
-        client: AsyncMongoClient[Any] = AsyncMongoClient(mongo_uri, serverSelectionTimeoutMS=10_000)
+        client = await open_mongo(mongo_uri, timeout=timeout)
         try:
             return await inbox_records.inbox_stats(client[database], options)
         finally:
             await client.close()
 
-    stats = asyncio.run(main())
+    with _reported(ctx, mongo_uri, unreachable="is it running? Check --mongo-uri (or LILY_MONGO_URI)"):
+        stats = asyncio.run(main())
     if as_json:
         sys.stdout.write(json.dumps(stats, indent=2, sort_keys=True) + "\n")
         return
     table = Table(title=f"inbox statistics: {database}")
     columns = ("completed", "live_leases", "stale_leases", "outbox_pending", "outbox_published", "outbox_failed")
-    table.add_column("handler")
+    table.add_column("handler", overflow="fold")
     for column in columns:
         table.add_column(column, justify="right")
     for handler, values in sorted(stats.items()):
@@ -330,4 +500,5 @@ def inbox_stats(
 
 def main() -> None:
     """Console-script entry point."""
+    _configure_logging()
     app()

@@ -29,7 +29,8 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
 from . import Consumer, EventId, Json, MongoScope, Publisher, QueueHandlerError, RetryCount, RetryPolicy, queue
-from ._connect import redact_url
+from ._connect import connect_amqp, open_mongo, redact_url
+from .errors import TransportError
 from .lifecycle import ManagedConsumer, ShutdownReport
 
 __all__ = ["DemoResult", "OrderCreated", "OrderLine", "run_demo"]
@@ -159,8 +160,10 @@ class DemoResult:
         return self.published_messages / self.elapsed if self.elapsed > 0 else 0.0
 
 
-class BrokerUnavailable(Exception):
-    """RabbitMQ could not be reached."""
+_START_RABBITMQ = (
+    "Start it with `rabbitmq-server -detached` (system service) or `docker compose up -d rabbitmq` "
+    "(compose.yaml), or point LILY_AMQP_URL at a broker"
+)
 
 
 @asynccontextmanager
@@ -188,14 +191,16 @@ async def _mongo(uri: str | None) -> AsyncIterator[str]:
 
 
 async def check_broker(amqp_url: str) -> None:
+    """Raise :class:`TransportError` (saying how to start RabbitMQ when nothing answers) unless it accepts us."""
     try:
-        connection = await asyncio.wait_for(aio_pika.connect(amqp_url), timeout=5)
-    except (OSError, TimeoutError, aio_pika.exceptions.AMQPError) as exc:
-        raise BrokerUnavailable(
-            f"RabbitMQ is not reachable at {redact_url(amqp_url)} ({type(exc).__name__}). Start it with "
-            "`rabbitmq-server -detached` (system service) or `docker compose up -d rabbitmq` (compose.yaml), "
-            "or point LILY_AMQP_URL at a broker."
-        ) from exc
+        connection = await asyncio.wait_for(connect_amqp(amqp_url, robust=False), timeout=5)
+    except TimeoutError as exc:
+        message = f"RabbitMQ is not reachable at {redact_url(amqp_url)} (timed out). {_START_RABBITMQ}"
+        raise TransportError(message, unreachable=True) from exc
+    except TransportError as exc:
+        if exc.unreachable:
+            raise TransportError(f"{exc}. {_START_RABBITMQ}", unreachable=True) from exc
+        raise
     await connection.close()
 
 
@@ -276,7 +281,11 @@ async def run_demo(
     database = f"lily_demo_{run_id}"
     workload = make_workload(orders, seed)
     async with _mongo(mongo_uri) as uri:
-        client: AsyncMongoClient[Any] = AsyncMongoClient(uri, serverSelectionTimeoutMS=10_000)
+        try:
+            client: AsyncMongoClient[Any] = await open_mongo(uri)
+        except TransportError as exc:
+            advice = "; is it running? Check LILY_MONGO_URI" if exc.unreachable else ""
+            raise TransportError(f"{exc}{advice}", unreachable=exc.unreachable) from exc
         connection = await aio_pika.connect(amqp_url)
         channel = await connection.channel()
         managed: ManagedConsumer | None = None

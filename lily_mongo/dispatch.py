@@ -41,6 +41,10 @@ class Inbound(Protocol):
     def routing_key(self) -> str: ...
     @property
     def exchange(self) -> str: ...
+    @property
+    def malformed(self) -> str | None:
+        """None, or which metadata was not valid AMQP text (the transport read it leniently)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -73,6 +77,9 @@ def select_route(plan: Plan, queue_name: str, version: int, content: str) -> Han
 
 def prepare(plan: Plan, options: QueueOptions, message: Inbound) -> Prepared | Rejected:
     """Envelope, handler selection and payload decode: all before any scope or middleware opens."""
+    if message.malformed is not None and len(message.body) <= options.max_body:
+        # Metadata that was not valid AMQP, read leniently (_amqp.LenientFrameReader): refused.
+        return Rejected(PipelineResult(Outcome.PERMANENT, ErrorCode.ENVELOPE_INVALID, message.malformed), None)
     try:
         envelope = validate_envelope(message.headers, len(message.body), max_body=options.max_body)
     except EnvelopeError as exc:

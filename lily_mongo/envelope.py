@@ -17,13 +17,25 @@ from dataclasses import dataclass
 
 from ._fast import slot_constructor
 from ._text import describe_key, describe_value
-from .bounds import BOUNDS, utf8_len
+from .bounds import (
+    BOUNDS,
+    DELIVERY_COUNT_HEADER,
+    FAILED_AT_HEADER,
+    FAILED_QUEUE_HEADER,
+    FAILURE_CODE_HEADER,
+    FAILURE_REASON_HEADER,
+    HANDOFF_HEADER_KEYS,
+    RETRY_COUNT_HEADER,
+    utf8_len,
+)
 from .errors import EnvelopeError, ErrorCode
 
 __all__ = [
     "CONTENT_KIND_HEADER",
+    "CONTENT_KIND_PATTERN",
     "DELIVERY_COUNT_HEADER",
     "EVENT_ID_HEADER",
+    "EVENT_ID_PATTERN",
     "FAILED_AT_HEADER",
     "FAILED_QUEUE_HEADER",
     "FAILURE_CODE_HEADER",
@@ -31,6 +43,7 @@ __all__ = [
     "HANDOFF_HEADER_KEYS",
     "RETRY_COUNT_HEADER",
     "SCHEMA_VERSION_HEADER",
+    "SCHEMA_VERSION_PATTERN",
     "TRACEPARENT_HEADER",
     "TRACESTATE_HEADER",
     "Envelope",
@@ -44,29 +57,20 @@ __all__ = [
 EVENT_ID_HEADER = "x-lily-event-id"
 SCHEMA_VERSION_HEADER = "x-lily-schema-version"
 CONTENT_KIND_HEADER = "x-lily-content-kind"
-RETRY_COUNT_HEADER = "x-retry-count"
 TRACEPARENT_HEADER = "traceparent"
 TRACESTATE_HEADER = "tracestate"
-# Written by the framework on every retry and DLQ copy (SPEC section 3).
-FAILURE_CODE_HEADER = "x-lily-failure-code"
-FAILURE_REASON_HEADER = "x-lily-failure-reason"
-FAILED_QUEUE_HEADER = "x-lily-failed-queue"
-FAILED_AT_HEADER = "x-lily-failed-at"
-# Set by RabbitMQ on quorum-queue redeliveries; bounds deferrals across processes.
-DELIVERY_COUNT_HEADER = "x-delivery-count"
+# The handoff header names (FAILURE_CODE_HEADER, ...) and DELIVERY_COUNT_HEADER are defined
+# in bounds with the room they take; re-exported here with the envelope's own.
 
-# Headers the framework writes on a handoff copy. They are replaced, not added,
-# when an incoming copy already carries them (a replayed DLQ message), and the
-# room they need is reserved in every accepted delivery's metadata.
-HANDOFF_HEADER_KEYS: frozenset[str] = frozenset(
-    {RETRY_COUNT_HEADER, FAILURE_CODE_HEADER, FAILURE_REASON_HEADER, FAILED_QUEUE_HEADER, FAILED_AT_HEADER}
-)
-
-# ``re.fullmatch`` with explicit ASCII classes: ``$`` would accept a trailing
-# newline and ``\d`` would accept non-ASCII digits.
-_UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-_VERSION_RE = re.compile(r"[1-9][0-9]{0,4}")
-_CONTENT_KIND_RE = re.compile(r"[a-z0-9][a-z0-9._+-]*")
+# The canonical forms, spelled once (the AsyncAPI document anchors them as JSON Schema
+# patterns). Matched with ``re.fullmatch`` and explicit ASCII classes: ``$`` would accept
+# a trailing newline and ``\d`` would accept non-ASCII digits.
+EVENT_ID_PATTERN = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+SCHEMA_VERSION_PATTERN = "[1-9][0-9]{0,4}"
+CONTENT_KIND_PATTERN = "[a-z0-9][a-z0-9._+-]*"
+_UUID_RE = re.compile(EVENT_ID_PATTERN)
+_VERSION_RE = re.compile(SCHEMA_VERSION_PATTERN)
+_CONTENT_KIND_RE = re.compile(CONTENT_KIND_PATTERN)
 # W3C traceparent: hex fields; version ff, an all-zero trace id or parent id are invalid.
 _TRACEPARENT_RE = re.compile(r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
 _NIL_UUID = "00000000-0000-0000-0000-000000000000"

@@ -103,7 +103,16 @@ class QueueHandlerError(LilyError):
 
 
 class TransportError(LilyError):
-    """The broker or database connection failed or refused an operation."""
+    """The broker or database connection failed or refused an operation.
+
+    ``unreachable`` is true when nothing answered at the address (refused, unknown
+    host, timed out), as opposed to a server that answered and refused (a login,
+    a virtual host) or an operation that failed.
+    """
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class PublishError(TransportError):

@@ -27,27 +27,29 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar, Unpack
 
 import aio_pika.abc
+from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
+from ._checks import check_amqp_url, check_bool, check_seconds
 from ._connect import connect_amqp, redact_url
 from ._tasks import TaskSet, raise_if_cancel_requested
 from ._tasks import uncancellable as _uncancellable
+from ._text import describe_value
+from .bounds import utf8_len
 from .errors import ConfigError, LilyError, TransportError
 from .inbox import Inbox, InboxOptions, MongoScope
 from .observe import Snapshot, TerminalObservation
 from .outbox import OutboxRelay
-from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions
+from .outgoing import OutgoingMessage
+from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions, RetryPolicy
 from .runtime import Runtime
 from .settlement import Terminal
-from .topology import declare_topology
+from .topology import declare_topology, destination_options, prepare_destinations
 
-if TYPE_CHECKING:
-    from pymongo import AsyncMongoClient
-
-__all__ = ["Consumer", "ManagedConsumer", "ShutdownAction", "ShutdownReport"]
+__all__ = ["Consumer", "ConsumerSettings", "ManagedConsumer", "QueueSettings", "ShutdownAction", "ShutdownReport"]
 
 log = logging.getLogger("lily_mongo")
 T = TypeVar("T")
@@ -139,6 +141,39 @@ class _Steps:
         return observed
 
 
+class QueueSettings(TypedDict, total=False):
+    """The keyword options of :meth:`Consumer.configure_queue`: every :class:`QueueOptions` field
+    but ``name``, with the defaults and bounds documented there."""
+
+    concurrency: int
+    prefetch: int
+    buffer: int | None
+    max_body: int
+    retry: RetryPolicy
+    queue_type: Literal["classic", "quorum"]
+    deadline: float
+    cooperation_window: float
+    max_deferrals: int
+    max_handoff_failures: int
+    passive: bool
+    unknown_errors: Literal["retryable", "permanent"]
+
+
+# MongoDB database names: at most 63 bytes, none of these characters (MongoDB's naming restrictions).
+_DATABASE_NAME_BYTES = 63
+_DATABASE_NAME_FORBIDDEN = frozenset('/\\. "$\x00')
+
+
+def _check_database_name(database: object) -> None:
+    if not isinstance(database, str) or not database:
+        raise ConfigError(f"database is required with a mongo_client: a name, got {describe_value(database)}")
+    if utf8_len(database) > _DATABASE_NAME_BYTES or _DATABASE_NAME_FORBIDDEN.intersection(database):
+        raise ConfigError(
+            f"database must be a MongoDB database name of 1..{_DATABASE_NAME_BYTES} bytes without any of "
+            f'/ \\ . space " $ or NUL, got {describe_value(database, 70)}'
+        )
+
+
 class Consumer:
     """A RabbitMQ consumer whose handlers may run in MongoDB transactions (SPEC section 7).
 
@@ -160,31 +195,32 @@ class Consumer:
         inbox: InboxOptions | None = None,
         owns_mongo_client: bool = False,
     ) -> None:
-        if not isinstance(amqp_url, str) or not amqp_url:
-            raise ConfigError("amqp_url must be a non-empty AMQP URL")
-        if mongo_client is not None and not database:
-            raise ConfigError("database is required when a mongo_client is given")
-        for field_name, value in (
-            ("confirm_timeout", confirm_timeout),
-            ("graceful_timeout", graceful_timeout),
-            ("force_timeout", force_timeout),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
-                raise ConfigError(f"{field_name} must be > 0 and <= 3600 seconds, got {value!r}")
+        check_amqp_url("amqp_url", amqp_url)
+        if mongo_client is not None and not isinstance(mongo_client, AsyncMongoClient):
+            raise ConfigError(f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}")
+        if mongo_client is None:
+            given_without = (("database", database), ("inbox", inbox), ("owns_mongo_client", owns_mongo_client))
+            for field_name, given in given_without:
+                if given is not None and given is not False:
+                    raise ConfigError(f"{field_name} needs a mongo_client, got {describe_value(given)} without one")
+        else:
+            _check_database_name(database)
         if inbox is not None and not isinstance(inbox, InboxOptions):
-            raise ConfigError(f"inbox must be an InboxOptions, got {type(inbox).__name__}")
+            raise ConfigError(f"inbox must be an InboxOptions, got {describe_value(inbox)}")
+        check_bool("owns_mongo_client", owns_mongo_client)
         self._settings = ConsumerSettings(
             name=name,
             amqp_url=amqp_url,
             mongo_client=mongo_client,
             database=database,
-            confirm_timeout=float(confirm_timeout),
-            graceful_timeout=float(graceful_timeout),
-            force_timeout=float(force_timeout),
+            confirm_timeout=check_seconds("confirm_timeout", confirm_timeout, low=0, high=3600, low_inclusive=False),
+            graceful_timeout=check_seconds("graceful_timeout", graceful_timeout, low=0, high=3600, low_inclusive=False),
+            force_timeout=check_seconds("force_timeout", force_timeout, low=0, high=3600, low_inclusive=False),
             inbox=inbox or InboxOptions(),
             owns_mongo_client=owns_mongo_client,
         )
         self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
+        self._outgoing: list[OutgoingMessage] = []
         self._state = State.NEW
         self.name = name
 
@@ -201,12 +237,49 @@ class Consumer:
         """The consumer's settings (frozen): what a started consumer, or a test consumer, runs with."""
         return self._settings
 
-    def configure_queue(self, name: str, **options: Any) -> QueueOptions:
+    def configure_queue(self, name: str, **options: Unpack[QueueSettings]) -> QueueOptions:
         """Set a physical queue's options (see :class:`QueueOptions`); bounds checked now."""
         self._require_new()
         queue_options = QueueOptions(name=name, **options)
         self._builder.configure_queue(queue_options)
         return queue_options
+
+    def sends(
+        self,
+        routing_key: str,
+        *,
+        version: int,
+        content: str = "json",
+        payload: Any = None,
+        exchange: str = "",
+        declare: bool = False,
+    ) -> OutgoingMessage:
+        """Declare a message this service publishes (through ``mongo.outbox`` or a ``Publisher``).
+
+        The AsyncAPI document describes it as a ``send`` operation (with ``payload``'s
+        JSON Schema for json content). ``start()`` declares its destination queue when
+        ``declare=True``, and otherwise logs a warning if the broker has nowhere to route it.
+        """
+        self._require_new()
+        message = OutgoingMessage(
+            routing_key=routing_key,
+            version=version,
+            content=content,
+            payload=payload,
+            exchange=exchange,
+            declare=declare,
+        )
+        if any(known.key == message.key for known in self._outgoing):
+            raise ConfigError(f"sends({routing_key!r:.60}, version={version}, content={content!r}) is declared twice")
+        if declare:
+            destination_options(message)  # the queue name's bound, checked now
+        self._outgoing.append(message)
+        return message
+
+    @property
+    def outgoing(self) -> tuple[OutgoingMessage, ...]:
+        """The messages declared with :meth:`sends`, in declaration order."""
+        return tuple(self._outgoing)
 
     def include(self, *handlers: Callable[..., Awaitable[None]]) -> None:
         """Link ``@queue`` handlers into the plan."""
@@ -237,7 +310,7 @@ class Consumer:
         self._require_new()
         plan = self.plan()
         self._state = State.STARTING
-        managed = ManagedConsumer(self._settings, plan, on_stopped=self._stopped)
+        managed = ManagedConsumer(self._settings, plan, outgoing=self.outgoing, on_stopped=self._stopped)
         try:
             await managed._start()
         except BaseException:
@@ -273,8 +346,16 @@ class Consumer:
 class ManagedConsumer:
     """A started consumer. Its supervisor owns cleanup; waiters only observe."""
 
-    def __init__(self, settings: ConsumerSettings, plan: Plan, *, on_stopped: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        settings: ConsumerSettings,
+        plan: Plan,
+        *,
+        outgoing: tuple[OutgoingMessage, ...] = (),
+        on_stopped: Callable[[], None],
+    ) -> None:
         self._settings = settings
+        self._outgoing = outgoing
         self._on_stopped = on_stopped
         self.plan = plan
         self._tasks = TaskSet()
@@ -309,6 +390,7 @@ class ManagedConsumer:
         self._connection = await connect_amqp(settings.amqp_url)
         for options in self.plan.queues.values():
             await declare_topology(self._connection, options)  # checks for a cancel between declarations
+        await prepare_destinations(self._connection, self._outgoing)
         if settings.mongo_client is not None:
             assert settings.database is not None
             inbox_options = settings.inbox
@@ -410,6 +492,7 @@ class ManagedConsumer:
             outbox_pending=relay.pending if relay else None,
             outbox_failed=relay.failed if relay else None,
             outbox_published=relay.published if relay else 0,
+            outbox_unroutable=relay.unroutable if relay else 0,
         )
 
     def delivery_terminal_observations(self) -> tuple[TerminalObservation, ...]:

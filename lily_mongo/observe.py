@@ -137,3 +137,5 @@ class Snapshot:
     outbox_pending: int | None
     outbox_failed: int | None
     outbox_published: int
+    outbox_unroutable: int = 0
+    """Relay publishes the broker returned as unroutable since start (a missing destination queue)."""

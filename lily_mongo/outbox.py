@@ -12,25 +12,28 @@ the holder of its claim, and downstream consumers deduplicate by event id.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
 import functools
 import logging
 import random
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Unpack
 
 from bson import Binary
 from pymongo import ReturnDocument
 from pymongo.errors import PyMongoError
 
 from ._amqp import basic_publish
+from ._checks import check_int, check_seconds
 from ._mongo import ensure_index
 from ._tasks import TaskSet
-from .errors import PublishError, ScopeClosedError
-from .publisher import CustomPublishContent, TypedPublishing, prepare_publication
+from .errors import ConfigError, PublishError, ScopeClosedError
+from .publisher import CustomPublishContent, PublishOptions, TypedPublishing, prepare_publication
 
 if TYPE_CHECKING:
     import aio_pika.abc
@@ -73,7 +76,13 @@ class Outbox(TypedPublishing):
         return f"<Outbox written={self.written} open={self._is_open()}>"
 
     async def publish(
-        self, content: CustomPublishContent[T], routing_key: str, payload: T, *, version: int, **options: Any
+        self,
+        content: CustomPublishContent[T],
+        routing_key: str,
+        payload: T,
+        *,
+        version: int,
+        **options: Unpack[PublishOptions],
     ) -> uuid.UUID:
         """Stage a message with a custom content contract; it is published after the commit."""
         if not self._is_open():
@@ -105,7 +114,7 @@ class Outbox(TypedPublishing):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RelayOptions:
-    """How the outbox relay claims, publishes and retries records."""
+    """How the outbox relay claims, publishes and retries records; bounds checked at construction."""
 
     poll_interval: float = 1.0
     claim_seconds: float = 30.0
@@ -113,6 +122,31 @@ class RelayOptions:
     backoff_base: float = 0.5
     backoff_max: float = 60.0
     published_retention: float = 7 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        # A poll period near zero is a busy loop against the database; a backoff cap below
+        # its base would shorten every delay to the cap.
+        seconds = {
+            "poll_interval": check_seconds("RelayOptions.poll_interval", self.poll_interval, low=0.01, high=3600),
+            "claim_seconds": check_seconds("RelayOptions.claim_seconds", self.claim_seconds, low=0.1, high=86400),
+            "backoff_base": check_seconds("RelayOptions.backoff_base", self.backoff_base, low=0.001, high=3600),
+            "published_retention": check_seconds(
+                "RelayOptions.published_retention", self.published_retention, low=60, high=366 * 86400
+            ),
+        }
+        check_int("RelayOptions.max_attempts", self.max_attempts, 1, 1000)
+        seconds["backoff_max"] = check_seconds("RelayOptions.backoff_max", self.backoff_max, low=0.001, high=86400)
+        if seconds["backoff_max"] < seconds["backoff_base"]:
+            raise ConfigError(
+                f"RelayOptions.backoff_max must be >= backoff_base ({self.backoff_base!r}), got {self.backoff_max!r}"
+            )
+        for name, value in seconds.items():
+            object.__setattr__(self, name, value)
+
+
+# At most one warning per destination this often, however many of its records are refused.
+UNROUTABLE_WARNING_INTERVAL = 60.0
+_WARNED_DESTINATIONS = 256  # destinations remembered for rate limiting (least recently warned forgotten)
 
 
 class Send(Protocol):
@@ -146,7 +180,13 @@ async def _send_on(
 
 
 class OutboxRelay:
-    """Publishes committed outbox records; one per consumer, owned by its supervisor."""
+    """Publishes committed outbox records; one per consumer, owned by its supervisor.
+
+    ``unroutable`` counts publishes the broker returned because nothing routes their
+    destination (no queue of that name on the default exchange, no binding on an
+    exchange); each such destination is also logged at WARNING level, at most once
+    per :data:`UNROUTABLE_WARNING_INTERVAL` seconds.
+    """
 
     def __init__(self, collection: AsyncCollection[Any], options: RelayOptions, owner: str) -> None:
         self._collection = collection
@@ -160,6 +200,9 @@ class OutboxRelay:
         self.pending: int | None = None
         self.failed: int | None = None
         self.published = 0
+        self.unroutable = 0
+        # (exchange, routing key) -> (monotonic time of its last warning, refusals since)
+        self._warned: collections.OrderedDict[tuple[str, str], tuple[float, int]] = collections.OrderedDict()
 
     async def prepare(self, *, passive: bool) -> None:
         """Create the relay's indexes (idempotent), or only verify them in passive mode."""
@@ -282,6 +325,18 @@ class OutboxRelay:
             attempts = int(record.get("attempts", 0)) + 1
             kind = exc.kind if isinstance(exc, PublishError) else f"failed ({type(exc).__name__})"
             failed = attempts >= self._options.max_attempts
+            if kind == "unroutable":
+                self.unroutable += 1
+                self._warn_unroutable(record)
+            if failed:
+                log.warning(
+                    "outbox record %s (%s) parked as failed after %d attempts: publish %s; set its status back "
+                    "to pending once the destination accepts it",
+                    record.get("_id"),
+                    _destination(record),
+                    attempts,
+                    kind,
+                )
             delay = min(self._options.backoff_base * 2 ** (attempts - 1), self._options.backoff_max)
             update: dict[str, Any] = {
                 "attempts": attempts,
@@ -294,6 +349,7 @@ class OutboxRelay:
             except PyMongoError:
                 log.warning("outbox record could not be updated after a failed publish", exc_info=True)
             return
+        self._warned.pop((str(record.get("exchange", "")), str(record.get("routing_key", ""))), None)
         now = utcnow()
         try:
             marked = await self._collection.update_one(
@@ -313,3 +369,33 @@ class OutboxRelay:
             # Published but not marked: the claim expires and the record is published
             # again (at-least-once); downstream consumers deduplicate by event id.
             log.warning("outbox record published but not marked", exc_info=True)
+
+    def _warn_unroutable(self, record: dict[str, Any]) -> None:
+        """Log a destination nothing routes, at most once per interval (it is usually a missing queue)."""
+        key = (str(record.get("exchange", "")), str(record.get("routing_key", "")))
+        now = time.monotonic()
+        last, since = self._warned.get(key, (-UNROUTABLE_WARNING_INTERVAL, 0))
+        if now - last < UNROUTABLE_WARNING_INTERVAL:
+            self._warned[key] = (last, since + 1)
+            return
+        self._warned[key] = (now, 0)
+        self._warned.move_to_end(key)
+        while len(self._warned) > _WARNED_DESTINATIONS:
+            self._warned.popitem(last=False)
+        log.warning(
+            "outbox: the broker returned a record for %s as unroutable: no queue receives it. Declare the "
+            "destination (the consuming service's queue, or a binding) or fix the routing key; the relay retries "
+            "it with backoff and parks it as failed after %d attempts%s",
+            _destination(record),
+            self._options.max_attempts,
+            f" ({since} more refusals since the last warning)" if since else "",
+        )
+
+
+def _destination(record: dict[str, Any]) -> str:
+    """Where a record goes, for log lines: the routing key, and the exchange unless it is the default one."""
+    exchange = str(record.get("exchange", ""))[:200]
+    routing_key = str(record.get("routing_key", ""))[:200]
+    if exchange:
+        return f"exchange {exchange!r} routing key {routing_key!r}"
+    return f"routing key {routing_key!r} (default exchange)"

@@ -151,7 +151,11 @@ class QueueOptions:
         _check_int(f"{where}: max_deferrals", self.max_deferrals, 1, 10_000)
         _check_int(f"{where}: max_handoff_failures", self.max_handoff_failures, 1, 1000)
         if self.unknown_errors not in ("retryable", "permanent"):
-            raise ConfigError(f"{where}: unknown_errors must be 'retryable' or 'permanent'")
+            raise ConfigError(
+                f"{where}: unknown_errors must be 'retryable' or 'permanent', got {describe_value(self.unknown_errors)}"
+            )
+        if not isinstance(self.passive, bool):
+            raise ConfigError(f"{where}: passive must be True or False, got {describe_value(self.passive)}")
 
     @property
     def effective_prefetch(self) -> int:
@@ -209,6 +213,11 @@ def queue(
         raise ConfigError(f"guarantee must be 'at_least_once' or 'inbox', got {guarantee!r:.40}")
     if handler_id is not None and (not isinstance(handler_id, str) or not handler_id):
         raise ConfigError(f"handler_id must be a non-empty string, got {describe_value(handler_id)}")
+    if trace is not None and (not isinstance(trace, str) or not trace):
+        raise ConfigError(f"trace must be a non-empty string, got {describe_value(trace)}")
+    for field_name, hooks in (("middleware", middleware), ("guards", guards)):
+        if isinstance(hooks, str) or not isinstance(hooks, Sequence) or not all(callable(h) for h in hooks):
+            raise ConfigError(f"{field_name} must be a sequence of async callables, got {describe_value(hooks)}")
     spec = RouteSpec(name, version, content, handler_id, guarantee, tuple(middleware), tuple(guards), trace)
 
     def decorate(fn: F) -> F:

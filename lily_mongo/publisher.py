@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import aio_pika
 import aio_pika.abc
-import orjson
-import pydantic
 
 from ._amqp import basic_publish
+from ._checks import check_amqp_url, check_seconds
 from ._connect import connect_amqp
 from ._text import describe_value
-from .bounds import BOUNDS, utf8_len
+from .bounds import BOUNDS
+from .content import BINARY, JSON, TEXT, CustomPublishContent, encode_json
 from .envelope import (
     CONTENT_KIND_HEADER,
     EVENT_ID_HEADER,
@@ -30,11 +30,11 @@ from .envelope import (
     SCHEMA_VERSION_HEADER,
     TRACEPARENT_HEADER,
     TRACESTATE_HEADER,
-    check_content_kind,
     is_canonical_uuid,
     validate_envelope,
 )
 from .errors import ConfigError, EnvelopeError, LilyError
+from .plan import check_name
 
 __all__ = [
     "BINARY",
@@ -42,6 +42,7 @@ __all__ = [
     "TEXT",
     "CustomPublishContent",
     "Publication",
+    "PublishOptions",
     "Publisher",
     "TypedPublishing",
     "encode_json",
@@ -49,57 +50,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-def _json_default(value: object) -> object:
-    if isinstance(value, pydantic.BaseModel):
-        return value.model_dump(mode="json")
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def encode_json(value: object) -> bytes:
-    """Encode a JSON payload with orjson; pydantic models are dumped in JSON mode."""
-    if isinstance(value, pydantic.BaseModel):
-        return value.model_dump_json().encode()
-    try:
-        return orjson.dumps(value, default=_json_default)
-    except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
-        raise ConfigError(f"payload is not JSON serializable: {exc}") from exc
-
-
-def _encode_text(value: str) -> bytes:
-    if not isinstance(value, str):
-        raise ConfigError(f"text payload must be a str, got {type(value).__name__}")
-    return value.encode("utf-8")
-
-
-def _encode_binary(value: bytes | bytearray | memoryview) -> bytes:
-    if not isinstance(value, bytes | bytearray | memoryview):
-        raise ConfigError(f"binary payload must be bytes, got {type(value).__name__}")
-    return bytes(value)
-
-
-@dataclass(frozen=True, slots=True)
-class CustomPublishContent[T]:
-    """A content contract: the ``x-lily-content-kind`` token, the MIME type and the encoder."""
-
-    kind: str
-    content_type: str
-    encode: Callable[[T], bytes]
-
-    def __post_init__(self) -> None:
-        problem = check_content_kind(self.kind)
-        if problem is not None:
-            raise ConfigError(f"CustomPublishContent.kind {problem}")
-        if not isinstance(self.content_type, str) or not self.content_type or utf8_len(self.content_type) > 255:
-            raise ConfigError(
-                f"CustomPublishContent.content_type must be 1..255 bytes, got {describe_value(self.content_type)}"
-            )
-
-
-JSON: CustomPublishContent[Any] = CustomPublishContent("json", "application/json", encode_json)
-TEXT: CustomPublishContent[str] = CustomPublishContent("text", "text/plain; charset=utf-8", _encode_text)
-BINARY: CustomPublishContent[bytes] = CustomPublishContent("binary", "application/octet-stream", _encode_binary)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,14 +64,21 @@ class Publication:
     event_id: uuid.UUID
 
 
-def _check_name(field: str, value: object, *, allow_empty: bool) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{field} must be a string, got {describe_value(value)}")
-    size = utf8_len(value)
-    if (size == 0 and not allow_empty) or size > BOUNDS.name_max_bytes:
-        low = 0 if allow_empty else BOUNDS.name_min_bytes
-        raise ConfigError(f"{field} is {size} bytes, outside {low}..{BOUNDS.name_max_bytes} bytes")
-    return value
+class PublishOptions(TypedDict, total=False):
+    """The keyword options of every publish method (``publish_json`` and friends, ``Outbox.publish``)."""
+
+    exchange: str
+    """The exchange; ``""`` (the default exchange) routes by queue name."""
+    event_id: uuid.UUID | str | None
+    """The event id to carry (canonical UUID text or a UUID); a fresh UUID4 when absent."""
+    headers: Mapping[str, Any] | None
+    """Application headers; ``x-lily-*`` and ``x-retry-count`` are reserved."""
+    retry_count: int | None
+    """``x-retry-count`` to write (0..100); normally left out."""
+    traceparent: str | None
+    """W3C ``traceparent`` (at most 55 bytes)."""
+    tracestate: str | None
+    """W3C ``tracestate`` (at most 512 bytes)."""
 
 
 def prepare_publication[T](
@@ -143,8 +100,11 @@ def prepare_publication[T](
     The result is validated with the same :func:`validate_envelope` a consumer
     runs, so nothing is published that a Lily consumer would reject.
     """
-    _check_name("routing_key", routing_key, allow_empty=True)
-    _check_name("exchange", exchange, allow_empty=True)
+    # The empty name is the default exchange, and an empty routing key is valid AMQP.
+    if routing_key != "":
+        check_name("routing_key", routing_key)
+    if exchange != "":
+        check_name("exchange", exchange)
     if (
         isinstance(version, bool)
         or not isinstance(version, int)
@@ -198,19 +158,31 @@ class TypedPublishing:
     __slots__ = ()
 
     async def publish[T](
-        self, content: CustomPublishContent[T], routing_key: str, payload: T, *, version: int, **options: Any
+        self,
+        content: CustomPublishContent[T],
+        routing_key: str,
+        payload: T,
+        *,
+        version: int,
+        **options: Unpack[PublishOptions],
     ) -> uuid.UUID:
         raise NotImplementedError
 
-    async def publish_json(self, routing_key: str, payload: Any, *, version: int, **options: Any) -> uuid.UUID:
+    async def publish_json(
+        self, routing_key: str, payload: Any, *, version: int, **options: Unpack[PublishOptions]
+    ) -> uuid.UUID:
         """A JSON payload (content kind ``json``, ``application/json``); pydantic models are dumped."""
         return await self.publish(JSON, routing_key, payload, version=version, **options)
 
-    async def publish_text(self, routing_key: str, payload: str, *, version: int, **options: Any) -> uuid.UUID:
+    async def publish_text(
+        self, routing_key: str, payload: str, *, version: int, **options: Unpack[PublishOptions]
+    ) -> uuid.UUID:
         """UTF-8 text (content kind ``text``, ``text/plain; charset=utf-8``)."""
         return await self.publish(TEXT, routing_key, payload, version=version, **options)
 
-    async def publish_binary(self, routing_key: str, payload: bytes, *, version: int, **options: Any) -> uuid.UUID:
+    async def publish_binary(
+        self, routing_key: str, payload: bytes, *, version: int, **options: Unpack[PublishOptions]
+    ) -> uuid.UUID:
         """Raw bytes (content kind ``binary``, ``application/octet-stream``)."""
         return await self.publish(BINARY, routing_key, payload, version=version, **options)
 
@@ -237,8 +209,11 @@ class Publisher(TypedPublishing):
     ) -> None:
         if (amqp_url is None) == (channel is None):
             raise ConfigError("Publisher needs exactly one of amqp_url or channel")
-        if not confirm_timeout > 0:
-            raise ConfigError(f"confirm_timeout must be > 0 seconds, got {confirm_timeout!r}")
+        if amqp_url is not None:
+            check_amqp_url("amqp_url", amqp_url)
+        if channel is not None and not isinstance(channel, aio_pika.abc.AbstractChannel):
+            raise ConfigError(f"channel must be an aio-pika channel, got {describe_value(channel)}")
+        confirm_timeout = check_seconds("confirm_timeout", confirm_timeout, low=0, high=3600, low_inclusive=False)
         self._url = amqp_url
         self._channel = channel
         self._connection: aio_pika.abc.AbstractConnection | None = None
@@ -294,7 +269,13 @@ class Publisher(TypedPublishing):
         return publication.event_id
 
     async def publish[T](
-        self, content: CustomPublishContent[T], routing_key: str, payload: T, *, version: int, **options: Any
+        self,
+        content: CustomPublishContent[T],
+        routing_key: str,
+        payload: T,
+        *,
+        version: int,
+        **options: Unpack[PublishOptions],
     ) -> uuid.UUID:
         """Publish ``payload`` with a custom content contract; return the event id."""
         return await self.send(prepare_publication(content, routing_key, payload, version=version, **options))

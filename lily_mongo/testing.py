@@ -119,6 +119,7 @@ class _Message:
     redelivered: bool = False
     exchange: str = ""
     message_id: str | None = None
+    malformed: str | None = None
     channel: _OpenChannel = dataclasses.field(default_factory=_OpenChannel)
     settled: str | None = None
 
@@ -337,11 +338,12 @@ class Faults:
                 f"the server refused configureFailPoint ({exc.code}); MongoDB needs enableTestCommands=1"
             ) from exc
 
-    async def transient_operations(self, times: int = 1, commands: Iterable[str] = ("insert", "delete")) -> None:
+    async def transient_operations(self, times: int = 1, commands: Iterable[str] = ("insert",)) -> None:
         """The next ``times`` of ``commands`` fail with ``WriteConflict`` and ``TransientTransactionError``.
 
-        ``update`` is left out by default: the inbox's completion is the transaction's first
-        write (an update), and a failure there replays before the handler ran at all.
+        Inserts by default: ``update`` is left out because the inbox's completion is the
+        transaction's first write (an update), so a failure there replays before the handler
+        ran at all; ``delete`` because the inbox releases a failed attempt's lease with one.
         """
         await self._set(commands, times=times, labels=[lease.TRANSIENT_LABEL], code=112)
 

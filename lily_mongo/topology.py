@@ -9,6 +9,8 @@ topology to queues only: every derived name is a routing key as well.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from typing import Any
 
 import aio_pika.abc
@@ -16,9 +18,12 @@ import aiormq.exceptions
 
 from ._tasks import raise_if_cancel_requested
 from .errors import ConfigError, TransportError
-from .plan import QueueOptions
+from .outgoing import OutgoingMessage
+from .plan import QueueOptions, RetryPolicy
 
-__all__ = ["declare_topology", "topology_names"]
+__all__ = ["declare_topology", "destination_options", "prepare_destinations", "topology_names"]
+
+log = logging.getLogger("lily_mongo")
 
 
 def topology_names(options: QueueOptions) -> list[str]:
@@ -78,6 +83,45 @@ async def declare_topology(connection: aio_pika.abc.AbstractConnection, options:
             raise ConfigError(f"queue {name!r} exists with other arguments than {arguments!r}: {exc}") from exc
         except aiormq.exceptions.AMQPError as exc:
             raise TransportError(f"declaring queue {name!r} failed: {type(exc).__name__}") from exc
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+        raise_if_cancel_requested()
+
+
+def destination_options(message: OutgoingMessage) -> QueueOptions:
+    """The queue ``declare=True`` creates for an outgoing message: a work queue with its DLQ, as a
+    ``lily_mongo`` consumer with default queue options declares it (its retry buckets are its own)."""
+    return QueueOptions(name=message.routing_key, retry=RetryPolicy(max_retries=0))
+
+
+async def prepare_destinations(
+    connection: aio_pika.abc.AbstractConnection, outgoing: Iterable[OutgoingMessage]
+) -> None:
+    """Declare the destinations marked ``declare=True``; warn about the others the broker has no
+    route for yet (a missing queue or exchange), since their outbox records would be refused."""
+    seen: set[tuple[str, str]] = set()
+    for message in outgoing:
+        destination = (message.exchange, message.routing_key)
+        if destination in seen:
+            continue
+        seen.add(destination)
+        if message.declare:
+            await declare_topology(connection, destination_options(message))
+            continue
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            if message.exchange:
+                await channel.declare_exchange(message.exchange, passive=True)
+            else:
+                await channel.declare_queue(message.routing_key, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            what = f"exchange {message.exchange!r}" if message.exchange else f"queue {message.routing_key!r}"
+            log.warning(
+                "the outbox destination %s does not exist: records sent to it are refused as unroutable until it is "
+                "declared (by its consumer, or with sends(..., declare=True))",
+                what,
+            )
         finally:
             if not channel.is_closed:
                 await channel.close()

@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import textwrap
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,6 +33,8 @@ import pydantic
 import pytest
 import yaml
 from pymongo import AsyncMongoClient
+from typer.testing import CliRunner
+from yarl import URL
 
 from lily_mongo import (
     Consumer,
@@ -46,12 +49,14 @@ from lily_mongo import (
     RetryPolicy,
     queue,
 )
+from lily_mongo.cli import app as cli_app
 from tests.support import (
     BrokerNames,
     FailPoints,
     consumer_count,
     drain,
     eventually,
+    outcomes,
     queue_depth,
     resolve,
     running,
@@ -128,6 +133,15 @@ async def finish(process: asyncio.subprocess.Process, argv: list[str], timeout: 
 async def run_cli(*args: str, env: dict[str, str], cwd: Path | None = None, timeout: float = 30.0) -> Completed:
     process = await start_cli(*args, env=env, cwd=cwd)
     return await finish(process, cli_argv(*args), timeout)
+
+
+def one_error_line(result: Completed) -> str:
+    """The command's error: exactly one line on stderr, starting with ``error:``, and no traceback anywhere."""
+    assert "Traceback" not in result.stderr + result.stdout, result.describe()
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.describe()
+    assert lines[0].startswith("error: "), result.describe()
+    return lines[0]
 
 
 @contextlib.asynccontextmanager
@@ -346,8 +360,51 @@ async def test_run_forced_shutdown_with_an_uncooperative_handler_reports_unresol
 async def test_run_with_a_bad_target_fails_without_a_traceback(amqp: str, mongo_uri: str, tmp_path: Path) -> None:
     result = await run_cli("run", "no_such_module_here:consumer", env=cli_env(amqp, mongo_uri), cwd=tmp_path)
     assert result.returncode == 2, result.describe()
-    assert "no_such_module_here" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert "no_such_module_here" in one_error_line(result)
+
+
+TARGETS = """
+    from __future__ import annotations
+
+    import pydantic
+
+    from lily_mongo import Bytes, Consumer, queue
+
+
+    class Settings(pydantic.BaseModel):
+        url: str = "amqp://guest:guest@127.0.0.1/"
+
+
+    @queue("cli.targets", version=1, content="binary")
+    async def handler(body: Bytes) -> None: ...
+
+
+    async def make_consumer_async() -> Consumer:
+        return Consumer(amqp_url="amqp://guest:guest@127.0.0.1/", name="async")
+
+
+    def make_empty() -> Consumer:
+        return Consumer(amqp_url="amqp://guest:guest@127.0.0.1/", name="empty")
+"""
+
+
+@pytest.mark.parametrize(
+    ("command", "target", "says"),
+    [
+        ("run", "targets:Settings", "is a class (Settings), not a lily_mongo.Consumer"),
+        ("run", "targets:handler", "is a @queue handler, not a lily_mongo.Consumer"),
+        ("run", "targets:make_consumer_async", "is an async function, not a lily_mongo.Consumer"),
+        ("asyncapi", "targets:make_empty", "the consumer has no handlers"),
+    ],
+)
+async def test_a_target_that_is_not_a_runnable_consumer_is_refused_in_one_line(
+    amqp: str, mongo_uri: str, tmp_path: Path, command: str, target: str, says: str
+) -> None:
+    (tmp_path / "targets.py").write_text(textwrap.dedent(TARGETS))
+    result = await run_cli(command, target, env=cli_env(amqp, mongo_uri), cwd=tmp_path)
+    assert result.returncode == 2, result.describe()
+    assert says in one_error_line(result)
+    assert "never awaited" not in result.stderr  # the async factory was not called on a guess
 
 
 # -- asyncapi ---------------------------------------------------------------------------------------
@@ -393,6 +450,7 @@ SHOP_SERVICE = """
         consumer.configure_queue(ORDERS, retry=RetryPolicy(max_retries=3, delays=(0.5, 2.0)))
         consumer.configure_queue(FILES, retry=RetryPolicy(max_retries=0, delays=()))
         consumer.include(order_v1, order_v2_text, file_v1)
+        consumer.sends("shop.orders.placed", version=1, payload=OrderPlaced)
         return consumer
 
 
@@ -426,13 +484,14 @@ async def test_asyncapi_json_validates_and_describes_the_plan(
         "shop.orders.created.dlq",
         "shop.files",
         "shop.files.dlq",
+        "shop.orders.placed",
     }
     operations = list(document["operations"].values())
-    assert sorted(resolve(document, op["channel"]["$ref"])["address"] for op in operations) == [
-        "shop.files",
-        "shop.orders.created",
+    assert sorted((op["action"], resolve(document, op["channel"]["$ref"])["address"]) for op in operations) == [
+        ("receive", "shop.files"),
+        ("receive", "shop.orders.created"),
+        ("send", "shop.orders.placed"),
     ]
-    assert {op["action"] for op in operations} == {"receive"}
 
     def messages(address: str) -> dict[tuple[str, str], dict[str, Any]]:
         refs = channels[address]["messages"].values()
@@ -451,7 +510,8 @@ async def test_asyncapi_json_validates_and_describes_the_plan(
     for message in [*orders.values(), *messages("shop.files").values()]:
         assert set(ENVELOPE) <= set(message["headers"]["required"])
     (dead,) = [resolve(document, r["$ref"]) for r in channels["shop.orders.created.dlq"]["messages"].values()]
-    assert "x-lily-failure-code" in dead["headers"]["properties"]
+    (library_copy,) = [branch for branch in dead["headers"]["anyOf"] if "x-lily-failure-code" in branch["required"]]
+    assert library_copy["properties"]["x-lily-failed-queue"]["const"] == "shop.orders.created"
 
 
 async def test_asyncapi_yaml_is_the_same_document(amqp: str, mongo_uri: str, tmp_path: Path) -> None:
@@ -622,7 +682,7 @@ async def test_dlq_replay_all_moves_every_message(
     assert await queue_depth(amqp_channel, dlq) == 0
 
 
-async def test_dlq_replay_with_another_event_id_leaves_the_message(
+async def test_dlq_replay_of_an_event_id_no_message_carries_fails_and_leaves_the_message(
     amqp: str,
     mongo_uri: str,
     mongo_client: AsyncMongoClient[Any],
@@ -639,8 +699,11 @@ async def test_dlq_replay_with_another_event_id_leaves_the_message(
         service.switch.set()
         other = uuid.uuid4()
         replayed = await run_cli("dlq", "replay", q, "--event-id", str(other), env=cli_env(amqp, mongo_uri))
-        assert replayed.returncode == 0, replayed.describe()
+        assert replayed.returncode == 1, replayed.describe()
         assert "replayed 0 message(s)" in " ".join(replayed.stdout.split()), replayed.describe()
+        line = one_error_line(replayed)
+        assert str(other) in line
+        assert "1 message(s) inspected" in line
     # The consumer has drained and stopped: anything replayed would be in Q or applied by now.
     assert await queue_depth(amqp_channel, q) == 0
     assert await effects_of(mongo_client, database_name, event) == 0
@@ -660,7 +723,7 @@ async def test_dlq_replay_without_a_selection_is_refused(
     assert await wait_for_depth(amqp_channel, f"{q}.dlq", 1) == 1
     result = await run_cli("dlq", "replay", q, env=cli_env(amqp, mongo_uri))
     assert result.returncode == 2, result.describe()
-    assert "--event-id" in result.stderr
+    assert "--event-id" in one_error_line(result)
     assert await queue_depth(amqp_channel, f"{q}.dlq") == 1
 
 
@@ -765,3 +828,240 @@ async def test_demo_without_a_broker_says_how_to_start_one(mongo_uri: str) -> No
     assert "docker compose up -d rabbitmq" in message
     assert "guest:guest" not in message  # the URL is shown with its password redacted
     assert "Traceback" not in result.stderr
+
+
+# -- errors: one line, a documented exit status, never a traceback or a password ---------------------
+
+SECRET = "S3cr3t-p@ss"
+
+
+def with_password(url: str, password: str = SECRET) -> str:
+    return str(URL(url).with_password(password))
+
+
+def closed_port(url: str) -> str:
+    return str(URL(url).with_port(1))
+
+
+async def test_dlq_list_of_a_missing_queue_is_a_usage_error(amqp: str, mongo_uri: str) -> None:
+    result = await run_cli("dlq", "list", "lt.no-such-queue-here", env=cli_env(amqp, mongo_uri))
+    assert result.returncode == 2, result.describe()
+    assert "queue 'lt.no-such-queue-here.dlq' does not exist" in one_error_line(result)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("dlq", "list", "orders"),
+        ("dlq", "replay", "orders", "--all"),
+    ],
+)
+async def test_bad_credentials_are_refused_not_unreachable(amqp: str, mongo_uri: str, args: tuple[str, ...]) -> None:
+    result = await run_cli(*args, "--amqp-url", with_password(amqp), env=cli_env(amqp, mongo_uri))
+    assert result.returncode == 3, result.describe()
+    line = one_error_line(result)
+    assert "refused the login" in line
+    assert "not reachable" not in line
+    assert SECRET not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("dlq", "list", "orders"),
+        ("dlq", "replay", "orders", "--event-id", "0f8fad5b-d9cb-469f-a165-70867728950e"),
+    ],
+)
+async def test_a_closed_port_is_unreachable_in_one_line(amqp: str, mongo_uri: str, args: tuple[str, ...]) -> None:
+    url = closed_port(with_password(amqp))
+    result = await run_cli(*args, "--amqp-url", url, env=cli_env(amqp, mongo_uri))
+    assert result.returncode == 3, result.describe()
+    line = one_error_line(result)
+    assert "RabbitMQ is not reachable" in line
+    assert "--amqp-url" in line  # what to do
+    assert SECRET not in result.stderr + result.stdout
+
+
+async def test_a_missing_virtual_host_is_named(amqp: str, mongo_uri: str) -> None:
+    url = str(URL(amqp).with_path("/no-such-vhost"))
+    result = await run_cli("dlq", "list", "orders", "--amqp-url", url, env=cli_env(amqp, mongo_uri))
+    assert result.returncode == 3, result.describe()
+    line = one_error_line(result)
+    assert "virtual host 'no-such-vhost'" in line
+    assert "object at 0x" not in line
+
+
+async def test_inbox_stats_with_mongodb_unreachable(amqp: str, mongo_uri: str) -> None:
+    uri = f"mongodb://app:{urllib.parse.quote_plus(SECRET)}@127.0.0.1:1/?serverSelectionTimeoutMS=300"
+    result = await run_cli("inbox", "stats", "shop", "--mongo-uri", uri, env=cli_env(amqp, mongo_uri))
+    assert result.returncode == 3, result.describe()
+    line = one_error_line(result)
+    assert "MongoDB is not reachable at mongodb://app:***@127.0.0.1:1/" in line
+    assert "--mongo-uri" in line
+    assert urllib.parse.quote_plus(SECRET) not in result.stderr + result.stdout
+
+
+async def test_inbox_stats_with_an_invalid_mongodb_uri_is_a_usage_error(amqp: str, mongo_uri: str) -> None:
+    uri = f"mongodb://app:{SECRET}@127.0.0.1:1/"  # PyMongo wants the '@' in a password escaped
+    result = await run_cli("inbox", "stats", "shop", "--mongo-uri", uri, env=cli_env(amqp, mongo_uri))
+    assert result.returncode == 2, result.describe()
+    assert "the MongoDB URI mongodb://app:***@127.0.0.1:1/ is not valid" in one_error_line(result)
+    assert SECRET not in result.stderr + result.stdout
+
+
+async def test_demo_with_mongodb_unreachable_says_which_and_how(amqp: str, mongo_uri: str) -> None:
+    unreachable = "mongodb://127.0.0.1:1/?serverSelectionTimeoutMS=300"
+    result = await run_cli("demo", "--orders", "10", env=cli_env(amqp, unreachable), timeout=60)
+    assert result.returncode == 3, result.describe()
+    assert "Traceback" not in result.stderr + result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.describe()
+    assert "MongoDB is not reachable" in errors[0]
+    assert "LILY_MONGO_URI" in errors[0]
+
+
+async def test_run_with_an_unreachable_broker_exits_3_without_the_password(
+    amqp: str, mongo_uri: str, tmp_path: Path
+) -> None:
+    # A password holding '@': shown as *** whole, never in part.
+    url = closed_port(with_password(amqp, "P@ssw0rd"))
+    source = f"""
+        from lily_mongo import Bytes, Consumer, queue
+
+        @queue("cli.unreachable", version=1, content="binary")
+        async def handler(body: Bytes) -> None: ...
+
+        consumer = Consumer(amqp_url={url!r}, name="unreachable")
+        consumer.include(handler)
+    """
+    (tmp_path / "unreachable.py").write_text(textwrap.dedent(source))
+    result = await run_cli("run", "unreachable:consumer", env=cli_env(amqp, mongo_uri), cwd=tmp_path)
+    assert result.returncode == 3, result.describe()
+    line = one_error_line(result)
+    assert "RabbitMQ is not reachable at amqp://guest:***@127.0.0.1:1/" in line
+    assert "ssw0rd" not in result.stderr + result.stdout
+
+
+async def test_debug_shows_the_traceback_without_locals_or_the_password(amqp: str, mongo_uri: str) -> None:
+    url = closed_port(with_password(amqp))
+    result = await run_cli("--debug", "dlq", "list", "orders", "--amqp-url", url, env=cli_env(amqp, mongo_uri))
+    assert result.returncode == 3, result.describe()
+    assert "Traceback" in result.stderr
+    assert "locals" not in result.stderr  # rich's locals panel
+    assert SECRET not in result.stderr + result.stdout
+    assert result.stderr.strip().splitlines()[-1].startswith("error: RabbitMQ is not reachable")
+
+
+@pytest.mark.parametrize(
+    "args", [(), ("dlq",), ("dlq", "list"), ("dlq", "replay"), ("inbox", "stats"), ("run",), ("asyncapi",), ("demo",)]
+)
+def test_help_documents_the_exit_status(args: tuple[str, ...]) -> None:
+    result = CliRunner().invoke(cli_app, [*args, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.replace("│", " ").split())
+    assert "Exit status: 0 success; 1 the command failed" in text
+    assert "3 RabbitMQ or MongoDB unreachable or refusing the connection" in text
+
+
+# -- dlq: selections, whole ids, totals, quorum DLQs, untrusted codes --------------------------------
+
+
+async def fill_dlq(channel: aio_pika.abc.AbstractChannel, dlq: str, *headers: dict[str, Any]) -> list[str]:
+    """Publish one message per header table straight into ``dlq``; return their event ids."""
+    ids = []
+    for table in headers:
+        event_id = str(uuid.uuid4())
+        message = aio_pika.Message(b"{}", headers={"x-lily-event-id": event_id, **table})
+        await channel.default_exchange.publish(message, routing_key=dlq)
+        ids.append(event_id)
+    assert await wait_for_depth(channel, dlq, len(ids)) == len(ids)
+    return ids
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--all", "--event-id", "0f8fad5b-d9cb-469f-a165-70867728950e"), "not both"),
+        (("--event-id", "order-7"), "event id 'order-7' is not a UUID"),
+        (("--event-id", "00000000-0000-0000-0000-000000000000"), "nil UUID"),
+    ],
+)
+async def test_dlq_replay_refuses_a_bad_selection_and_moves_nothing(
+    amqp: str,
+    mongo_uri: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    args: tuple[str, ...],
+    says: str,
+) -> None:
+    q = names.queue("dlqsel")
+    await amqp_channel.declare_queue(q, durable=True)
+    await amqp_channel.declare_queue(f"{q}.dlq", durable=True)
+    await fill_dlq(amqp_channel, f"{q}.dlq", {}, {}, {})
+    result = await run_cli("dlq", "replay", q, *args, env=cli_env(amqp, mongo_uri))
+    assert result.returncode == 2, result.describe()
+    assert says in one_error_line(result)
+    assert await queue_depth(amqp_channel, f"{q}.dlq") == 3
+    assert await queue_depth(amqp_channel, q) == 0
+
+
+async def test_dlq_list_prints_whole_event_ids_and_the_total(
+    amqp: str, mongo_uri: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
+) -> None:
+    q = names.queue("dlqwide")
+    await amqp_channel.declare_queue(f"{q}.dlq", durable=True)
+    ids = await fill_dlq(amqp_channel, f"{q}.dlq", {}, {}, {})
+    env = {**cli_env(amqp, mongo_uri), "COLUMNS": "80"}  # a narrow terminal
+    result = await run_cli("dlq", "list", q, "--limit", "2", env=env)
+    assert result.returncode == 0, result.describe()
+    assert ids[0] in result.stdout
+    assert ids[1] in result.stdout
+    assert ids[2] not in result.stdout  # over the limit
+    assert f"{q}.dlq: 3 message(s), 2 listed" in " ".join(result.stdout.split())
+    assert await queue_depth(amqp_channel, f"{q}.dlq") == 3
+
+
+async def test_dlq_list_tells_broker_dead_letters_from_library_copies(
+    amqp: str,
+    mongo_uri: str,
+    names: BrokerNames,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    q = names.queue("dlqorigin")
+
+    @queue(q, version=1, content="json")
+    async def handle(item: Json[Item]) -> None:
+        raise QueueHandlerError.permanent("ITEM_REJECTED", "rejected by the handler")
+
+    consumer = Consumer(amqp_url=amqp, name="origin")
+    consumer.configure_queue(q, max_body=64, retry=RetryPolicy(max_retries=0, delays=()))
+    consumer.include(handle)
+    forged = {
+        "x-lily-schema-version": "1",
+        "x-lily-content-kind": "json",
+        "x-lily-failure-code": "FORGED_BY_PRODUCER",
+        "x-lily-failed-queue": q,
+    }
+    oversize = str(uuid.uuid4())
+    rejected = str(uuid.uuid4())
+    async with running(consumer) as managed:
+        # Over max_body: rejected, the broker dead-letters the original with its forged header.
+        await amqp_channel.default_exchange.publish(
+            aio_pika.Message(b"{" + b" " * 100 + b"}", headers={"x-lily-event-id": oversize, **forged}),
+            routing_key=q,
+        )
+        # Valid, refused by the handler: the library copy (the forged code is replaced).
+        await amqp_channel.default_exchange.publish(
+            aio_pika.Message(b'{"n": 1}', headers={"x-lily-event-id": rejected, **forged}), routing_key=q
+        )
+        await eventually(lambda: len(outcomes(managed)) == 2, what="both deliveries settled", interval=0.05)
+    assert await wait_for_depth(amqp_channel, f"{q}.dlq", 2) == 2
+    table = await run_cli("dlq", "list", q, env=cli_env(amqp, mongo_uri))
+    assert table.returncode == 0, table.describe()
+    rows = {line.split("│")[1].strip(): line for line in table.stdout.splitlines() if line.count("│") > 2}
+    assert "broker-native (rejected); x-lily-failure-code FORGED_BY_PRODUCER" in rows[oversize]
+    assert " library " in rows[rejected]
+    assert "ITEM_REJECTED" in rows[rejected]
+    assert "FORGED" not in rows[rejected]
+    assert "(untrusted)" in table.stdout

@@ -332,6 +332,97 @@ async def test_unroutable_record_is_retried_then_parked_as_failed(
     assert "published_at" not in record
 
 
+async def test_an_unroutable_destination_is_logged_once_by_name_and_counted(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    q = names.queue("unroutable-log")
+    nowhere = f"{names.prefix}.orders.confirmed"  # nothing declares this queue
+
+    @queue(q, version=1, content="json")
+    async def handle(event_id: EventId, mongo: MongoScope) -> None:
+        await mongo.outbox.publish_json(nowhere, {"from": str(event_id)}, version=1)
+
+    relay = RelayOptions(max_attempts=4, backoff_base=0.02, backoff_max=0.05, poll_interval=0.05)
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=InboxOptions(relay=relay))
+    outbox = mongo_client[database_name][OUTBOX]
+    caplog.set_level("WARNING", logger="lily_mongo")
+    async with running(consumer, expect_clean=False) as managed:
+        await publish(amqp, q, {"n": 1})
+
+        async def parked() -> bool:
+            return await outbox.count_documents({"status": "failed"}) == 1
+
+        await eventually(parked, what="the record parked as failed", interval=0.05)
+        unroutable = managed.snapshot().outbox_unroutable
+    # Four attempts, each refused as unroutable: counted four times, warned about once (rate-limited).
+    assert unroutable == 4
+    warnings = [r.getMessage() for r in caplog.records if r.name == "lily_mongo" and r.levelname == "WARNING"]
+    unroutable_lines = [line for line in warnings if "unroutable" in line and "parked" not in line]
+    assert len(unroutable_lines) == 1, warnings
+    assert f"routing key {nowhere!r}" in unroutable_lines[0]
+    parked_lines = [line for line in warnings if "parked as failed after 4 attempts" in line]
+    assert len(parked_lines) == 1, warnings
+    assert nowhere in parked_lines[0]
+
+
+async def test_start_warns_about_a_declared_destination_that_does_not_exist(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    q = names.queue("dest-check")
+    missing = f"{names.prefix}.missing"
+
+    @queue(q, version=1, content="json")
+    async def handle(mongo: MongoScope) -> None:
+        await mongo.outbox.publish_json(missing, {}, version=1)
+
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    consumer.sends(missing, version=1)
+    caplog.set_level("WARNING", logger="lily_mongo")
+    async with running(consumer):
+        pass
+    warnings = [r.getMessage() for r in caplog.records if r.name == "lily_mongo" and r.levelname == "WARNING"]
+    assert any(f"outbox destination queue {missing!r} does not exist" in line for line in warnings), warnings
+
+
+async def test_a_destination_declared_by_the_consumer_makes_its_records_routable(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> None:
+    q = names.queue("dest-src")
+    destination = names.queue("dest-confirmed")
+
+    @queue(q, version=1, content="json")
+    async def handle(event_id: EventId, mongo: MongoScope) -> None:
+        await mongo.outbox.publish_json(destination, {"from": str(event_id)}, version=1)
+
+    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    consumer.sends(destination, version=1, declare=True)
+    async with running(consumer) as managed:
+        await publish(amqp, q, {"n": 1})
+        assert await wait_for_depth(amqp_channel, destination, 1) == 1
+        assert managed.snapshot().outbox_unroutable == 0
+
+    # Declared as a lily_mongo consumer of it declares it: such a consumer starts on the same queue.
+    @queue(destination, version=1, content="json")
+    async def downstream(event_id: EventId) -> None: ...
+
+    downstream_consumer = Consumer(amqp_url=amqp, name="downstream")
+    downstream_consumer.include(downstream)
+    async with running(downstream_consumer) as managed:
+        await eventually(lambda: outcomes(managed) == ["acked"], what="the relayed message consumed", interval=0.05)
+
+
 async def test_a_record_for_a_missing_exchange_does_not_stall_the_relay(
     amqp: str,
     mongo_client: AsyncMongoClient[Any],

@@ -84,5 +84,5 @@ async def test_consumer_start_with_unreachable_broker_raises_transport_error() -
 
     consumer = Consumer(amqp_url="amqp://guest:s3cret@127.0.0.1:1/", name="t")
     consumer.include(handler)
-    with pytest.raises(TransportError, match="cannot connect to RabbitMQ"):
+    with pytest.raises(TransportError, match="RabbitMQ is not reachable"):
         await consumer.start()

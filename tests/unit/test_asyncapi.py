@@ -382,15 +382,54 @@ def test_retry_buckets_carry_the_work_queue_messages(shop: dict[str, Any]) -> No
         assert sorted(version_and_content(m) for m in channel_messages(shop, bucket)) == work
 
 
-def test_dlq_channel_message_has_failure_headers(shop: dict[str, Any]) -> None:
-    for dlq in ("shop.orders.created.dlq", "shop.files.dlq"):
-        (message,) = channel_messages(shop, dlq)
-        headers = message["headers"]
-        assert set(ENVELOPE) <= set(headers["required"])
-        assert set(FAILURE_HEADERS) <= set(headers["properties"])
-        check = jsonschema.Draft7Validator(headers)
-        check.validate(sample_headers(**{"x-lily-failure-code": "ORDER_INVALID", "x-lily-failed-queue": ORDERS}))
-        assert not check.is_valid({"x-lily-failure-code": "ORDER_INVALID"})
+def library_copy(**overrides: object) -> dict[str, object]:
+    headers: dict[str, object] = {
+        "x-lily-failure-code": "ORDER_INVALID",
+        "x-lily-failure-reason": "no lines",
+        "x-lily-failed-queue": ORDERS,
+        "x-lily-failed-at": "2025-01-01T12:00:00.123+00:00",
+    }
+    headers.update(overrides)
+    return {k: v for k, v in headers.items() if v is not None}
+
+
+def broker_dead_letter(**overrides: object) -> dict[str, object]:
+    death = {"count": 1, "reason": "rejected", "queue": ORDERS, "time": "2025-01-01T12:00:00+00:00", "exchange": ""}
+    return {"x-death": [{**death, "routing-keys": [ORDERS]}], **overrides}
+
+
+def test_dlq_message_accepts_both_kinds_of_dead_letter_whatever_the_envelope(shop: dict[str, Any]) -> None:
+    (message,) = channel_messages(shop, "shop.orders.created.dlq")
+    check = jsonschema.Draft7Validator(message["headers"])
+    accepted = [
+        {**sample_headers(), **library_copy(**{"x-retry-count": 2})},
+        # Copies of messages refused for their envelope: it is missing or invalid, and kept as it was.
+        library_copy(**{"x-lily-failure-code": "QUEUE_ENVELOPE_INVALID"}),
+        {**library_copy(), "x-lily-event-id": "order-7", "x-lily-schema-version": 1},
+        {**library_copy(), "x-lily-event-id": str(uuid.uuid4()).upper()},
+        # The original, dead-lettered by the broker, with whatever headers it had.
+        broker_dead_letter(**sample_headers()),
+        broker_dead_letter(**{"x-lily-failure-code": "FORGED", "x-retry-count": "1"}),
+    ]
+    for headers in accepted:
+        check.validate(headers)
+
+
+def test_dlq_message_refuses_what_no_path_produces(shop: dict[str, Any]) -> None:
+    (message,) = channel_messages(shop, "shop.orders.created.dlq")
+    check = jsonschema.Draft7Validator(message["headers"])
+    refused = [
+        sample_headers(),  # neither the failure headers nor x-death
+        library_copy(**{"x-lily-failed-at": None}),
+        library_copy(**{"x-lily-failed-queue": "another.queue"}),
+        library_copy(**{"x-lily-failure-reason": "line\nbreak"}),  # reasons are printable ASCII
+        library_copy(**{"x-lily-failure-code": "C" * 65}),
+        library_copy(**{"x-retry-count": 101}),
+        {"x-death": []},
+        {"x-death": [{"count": 1}]},
+    ]
+    for headers in refused:
+        assert not check.is_valid(headers), headers
 
 
 def test_unsafe_queue_names_get_sanitized_ids_and_keep_their_address(
@@ -496,3 +535,72 @@ def test_validator_rejects_broken_documents(
     mutate(broken)
     with pytest.raises(jsonschema.ValidationError):
         validator.validate(broken)
+
+
+# -- outgoing messages: send operations -----------------------------------------------------------
+
+
+class OrderConfirmed(pydantic.BaseModel):
+    order_id: str
+    lines: list[Line]
+
+
+def follow(document: dict[str, Any], ref: str) -> dict[str, Any]:
+    """Resolve ``ref``, and the reference found there, until a definition is reached."""
+    node: dict[str, Any] = resolve(document, ref)
+    while "$ref" in node:
+        node = resolve(document, node["$ref"])
+    return node
+
+
+def consumer_with_outgoing() -> Consumer:
+    @queue(ORDERS, version=1, content="json")
+    async def order_v1(order: Json[OrderV1]) -> None:
+        pass
+
+    consumer = Consumer(amqp_url=AMQP_URL, name="svc")
+    consumer.include(order_v1)
+    consumer.sends("orders.confirmed", version=1, payload=OrderConfirmed)
+    consumer.sends("orders.confirmed", version=2, content="text")
+    consumer.sends("audit", version=1, content="binary", exchange="events")
+    return consumer
+
+
+def test_declared_outgoing_messages_are_send_operations(validator: jsonschema.Draft7Validator) -> None:
+    consumer = consumer_with_outgoing()
+    document = asyncapi_document(consumer.plan(), outgoing=consumer.outgoing)
+    validator.validate(document)
+    assert_refs_resolve(document)
+    sends = {key: op for key, op in document["operations"].items() if op["action"] == "send"}
+    assert sorted(sends) == ["send.events.audit", "send.orders.confirmed"]
+    confirmed = resolve(document, sends["send.orders.confirmed"]["channel"]["$ref"])
+    assert confirmed["address"] == "orders.confirmed"
+    by_version = {
+        version_and_content(follow(document, ref["$ref"])): follow(document, ref["$ref"])
+        for ref in sends["send.orders.confirmed"]["messages"]
+    }
+    assert sorted(by_version) == [("1", "json"), ("2", "text")]
+    assert by_version[("1", "json")]["contentType"] == "application/json"
+    assert by_version[("2", "text")]["contentType"] == "text/plain; charset=utf-8"
+    assert by_version[("2", "text")]["payload"] == {"type": "string"}
+    audit = resolve(document, sends["send.events.audit"]["channel"]["$ref"])
+    assert audit["address"] == "audit"
+    assert "exchange events" in audit["description"]
+    (blob,) = [follow(document, ref["$ref"]) for ref in sends["send.events.audit"]["messages"]]
+    assert blob["contentType"] == "application/octet-stream"
+    assert blob["payload"] == {"type": "string", "format": "binary"}
+
+
+def test_an_outgoing_payload_schema_checks_what_the_outbox_would_publish() -> None:
+    consumer = consumer_with_outgoing()
+    document = asyncapi_document(consumer.plan(), outgoing=consumer.outgoing)
+    ref = "#/components/messages/send.orders.confirmed.v1.json"
+    check = payload_validator(document, ref)
+    check.validate({"order_id": "o-1", "lines": [{"sku": "S-1", "quantity": 2}]})
+    assert not check.is_valid({"order_id": "o-1", "lines": [{"sku": "S-1", "quantity": 0}]})
+    publication = prepare_publication(JSON, "orders.confirmed", {"order_id": "o-1", "lines": []}, version=1)
+    jsonschema.Draft7Validator(resolve(document, ref)["headers"]).validate(dict(publication.headers))
+
+
+def test_without_declarations_there_is_no_send_operation(shop: dict[str, Any]) -> None:
+    assert {op["action"] for op in shop["operations"].values()} == {"receive"}

@@ -1,0 +1,70 @@
+"""Option checks: each raises :class:`ConfigError` naming the field, the value and the bound.
+
+Options are checked once, when they are given (STYLE.md, convention 5); the
+value in a message is a bounded description (:func:`describe_value`), never an
+unbounded echo of what the caller passed, and a URL is shown redacted. Pure: no
+I/O library is imported (pure modules such as :mod:`lily_mongo.content` use it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from yarl import URL
+
+from ._text import describe_value
+from .bounds import utf8_len
+from .errors import ConfigError
+
+__all__ = ["check_amqp_url", "check_bool", "check_callable", "check_int", "check_seconds"]
+
+
+def check_int(field: str, value: object, low: int, high: int) -> int:
+    """An integer (not a bool) within ``low..high``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{field} must be an integer {low}..{high}, got {describe_value(value)}")
+    return value
+
+
+def check_seconds(field: str, value: object, *, low: float, high: float, low_inclusive: bool = True) -> float:
+    """A finite number of seconds within the bounds (``> low`` when ``low_inclusive`` is false)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{field} must be a finite number of seconds, got {describe_value(value)}")
+    if not (low <= value if low_inclusive else low < value) or value > high:
+        bound = f"{_num(low)}..{_num(high)}" if low_inclusive else f"> {_num(low)} and <= {_num(high)}"
+        raise ConfigError(f"{field} must be {bound} seconds, got {describe_value(value)}")
+    return float(value)
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def check_bool(field: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{field} must be True or False, got {describe_value(value)}")
+    return value
+
+
+def check_callable(field: str, value: object) -> Callable[..., Any]:
+    if not callable(value):
+        raise ConfigError(f"{field} must be callable, got {describe_value(value)}")
+    return value
+
+
+def check_amqp_url(field: str, value: object) -> str:
+    """An ``amqp://`` or ``amqps://`` URL with a host, as aio-pika parses it; shown redacted when refused."""
+    from ._connect import redact_url  # here: this module stays free of I/O libraries
+
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{field} must be an amqp:// or amqps:// URL, got {describe_value(value)}")
+    try:
+        url = URL(value)
+        valid = url.scheme in ("amqp", "amqps") and bool(url.host) and (url.port is None or url.port > 0)
+    except (ValueError, TypeError):
+        valid = False
+    if not valid or utf8_len(value) > 4096:
+        raise ConfigError(f"{field} must be an amqp:// or amqps:// URL with a host, got {redact_url(value)[:200]!r}")
+    return value

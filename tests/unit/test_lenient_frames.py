@@ -1,0 +1,193 @@
+"""The lenient frame reader between a connection's socket and aiormq's frame receiver (no broker).
+
+Frames are fed to a stream and read back through aiormq's own ``FrameReceiver``, the way a
+connection reads them: ordinary frames come through byte for byte; a delivery whose
+metadata pamqp cannot decode comes through readable and marked instead of ending the
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiormq.abc
+import aiormq.exceptions
+import pytest
+from aiormq.connection import FrameReceiver
+from pamqp import body as pamqp_body
+from pamqp import commands as spec
+from pamqp import frame as pamqp_frame
+from pamqp import header as pamqp_header
+from pamqp.heartbeat import Heartbeat
+
+from lily_mongo._amqp import MALFORMED_HEADER, InboundMessage, LenientFrameReader, LilyProperties
+from tests.support import long_string_value, raw_properties, raw_table, short_bytes
+
+EVENT_ID = "0f8fad5b-d9cb-469f-a165-70867728950e"
+ENVELOPE = [
+    (b"x-lily-event-id", long_string_value(EVENT_ID)),
+    (b"x-lily-schema-version", long_string_value("1")),
+    (b"x-lily-content-kind", long_string_value("json")),
+]
+
+
+def wire(channel: int, kind: int, payload: bytes) -> bytes:
+    return bytes((kind,)) + channel.to_bytes(2) + len(payload).to_bytes(4) + payload + b"\xce"
+
+
+def content_header(properties: bytes, body_size: int = 2, channel: int = 1) -> bytes:
+    return wire(channel, 2, b"\x00\x3c\x00\x00" + body_size.to_bytes(8) + properties)
+
+
+def deliver(routing_key: bytes, tag: int = 7, channel: int = 1) -> bytes:
+    payload = b"\x00\x3c\x00\x3c" + short_bytes(b"ctag-1") + tag.to_bytes(8) + b"\x01"
+    return wire(channel, 1, payload + short_bytes(b"") + short_bytes(routing_key))
+
+
+def get_ok(routing_key: bytes, tag: int = 9, count: int = 41) -> bytes:
+    payload = b"\x00\x3c\x00\x47" + tag.to_bytes(8) + b"\x00" + short_bytes(b"amq.direct") + short_bytes(routing_key)
+    return wire(1, 1, payload + count.to_bytes(4))
+
+
+async def receive(data: bytes, count: int) -> list[tuple[int, Any]]:
+    """(channel, frame) for the first ``count`` frames of ``data``, read as a connection reads them."""
+    stream = asyncio.StreamReader()
+    stream.feed_data(data)
+    stream.feed_eof()
+    receiver = FrameReceiver(LenientFrameReader(stream))  # type: ignore[arg-type]
+    frames = []
+    for _ in range(count):
+        _, channel, frame = await receiver.get_frame()
+        frames.append((channel, frame))
+    return frames
+
+
+async def test_ordinary_frames_pass_byte_for_byte() -> None:
+    properties = LilyProperties(
+        content_type="application/json", delivery_mode=2, headers={"x-lily-event-id": EVENT_ID, "n": 300}
+    )
+    frames = [
+        pamqp_frame.marshal(spec.Basic.Deliver("ctag", 200, False, "ex", "orders.created"), 3),
+        pamqp_frame.marshal(pamqp_header.ContentHeader(0, 2, properties), 3),
+        pamqp_frame.marshal(pamqp_body.ContentBody(b"{}"), 3),
+        pamqp_frame.marshal(Heartbeat(), 0),
+        pamqp_frame.marshal(spec.Basic.Ack(delivery_tag=5), 2),
+        get_ok(b"orders.created"),
+    ]
+    stream = asyncio.StreamReader()
+    stream.feed_data(b"".join(frames))
+    stream.feed_eof()
+    reader = LenientFrameReader(stream)
+    read_back = []
+    for _ in frames:
+        head = await reader.readexactly(1) + await reader.readexactly(6)
+        read_back.append(head + await reader.readexactly(int.from_bytes(head[3:7]) + 1))
+    assert read_back == frames
+    assert reader.at_eof()
+
+
+async def test_an_undecodable_header_name_arrives_readable_and_marked() -> None:
+    headers = raw_table([*ENVELOPE, (b"x-\xff\xfe", long_string_value("v"))])
+    data = content_header(raw_properties(content_type=b"application/json", headers=headers), body_size=2)
+    data += wire(1, 3, b"{}")
+    (_, header), (_, body) = await receive(data, 2)
+    assert isinstance(header, pamqp_header.ContentHeader)
+    assert header.body_size == 2
+    assert header.properties.content_type == "application/json"
+    assert header.properties.headers == {
+        "x-lily-event-id": EVENT_ID,
+        "x-lily-schema-version": "1",
+        "x-lily-content-kind": "json",
+        "x-\ufffd\ufffd": "v",
+        MALFORMED_HEADER: "a header name is not valid UTF-8",
+    }
+    assert isinstance(body, pamqp_body.ContentBody)
+    assert body.value == b"{}"
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"content_type": b"text/\xff"}, "property content_type is not valid UTF-8"),
+        ({"message_id": b"id-\xc3"}, "property message_id is not valid UTF-8"),
+        ({"message_type": b"\xe9v\xe9nement"}, "property type is not valid UTF-8"),
+        (
+            {"headers": raw_table([(b"meta", b"F" + raw_table([(b"\x80", b"t\x01")]))])},
+            "a nested header name in 'meta' is not valid UTF-8",
+        ),
+        (
+            {"headers": raw_table([(b"list", b"A" + (7).to_bytes(4) + b"F" + raw_table([(b"\xff", b"t\x01")]))])},
+            "a nested header name in 'list' is not valid UTF-8",
+        ),
+    ],
+)
+async def test_every_undecodable_short_string_is_named(fields: dict[str, bytes], reason: str) -> None:
+    [(_, header)] = await receive(content_header(raw_properties(**fields)), 1)  # type: ignore[arg-type]
+    assert header.properties.headers[MALFORMED_HEADER] == reason
+
+
+async def test_properties_that_cannot_be_parsed_keep_only_the_mark_and_the_body_size() -> None:
+    # The flags announce a header table whose length runs past the frame.
+    data = content_header((1 << 13).to_bytes(2) + (500).to_bytes(4) + b"\x01k", body_size=3)
+    [(_, header)] = await receive(data, 1)
+    assert header.body_size == 3
+    assert header.properties.headers == {MALFORMED_HEADER: "the message properties cannot be parsed"}
+    assert header.properties.content_type is None
+
+
+async def test_an_undecodable_routing_key_marks_the_content_header_that_follows_on_its_channel() -> None:
+    plain = raw_properties(content_type=b"application/json", headers=raw_table(ENVELOPE))
+    data = deliver(b"orders.\xff", tag=300, channel=1) + deliver(b"orders", tag=5, channel=2)
+    data += content_header(plain, channel=2) + content_header(plain, channel=1)
+    (_, first), (_, second), (_, on_two), (_, on_one) = await receive(data, 4)
+    assert isinstance(first, spec.Basic.Deliver)
+    assert (first.routing_key, first.delivery_tag, first.redelivered, first.consumer_tag) == (
+        "orders.\ufffd",
+        300,
+        True,
+        "ctag-1",
+    )
+    assert second.routing_key == "orders"
+    assert MALFORMED_HEADER not in on_two.properties.headers
+    assert on_one.properties.headers[MALFORMED_HEADER] == "the routing key is not valid UTF-8"
+    assert on_one.properties.headers["x-lily-event-id"] == EVENT_ID
+
+
+async def test_a_basic_get_answer_with_an_undecodable_routing_key_is_readable() -> None:
+    [(_, answer)] = await receive(get_ok(b"\xfe\xff", tag=9, count=41), 1)
+    assert isinstance(answer, spec.Basic.GetOk)
+    assert (answer.delivery_tag, answer.exchange, answer.routing_key, answer.message_count) == (
+        9,
+        "amq.direct",
+        "\ufffd\ufffd",
+        41,
+    )
+
+
+async def test_the_brokers_protocol_header_still_ends_the_handshake() -> None:
+    with pytest.raises(aiormq.exceptions.ProtocolSyntaxError):
+        await receive(b"AMQP\x00\x00\x09\x01", 1)
+
+
+def test_an_inbound_message_takes_the_mark_out_of_its_headers() -> None:
+    headers = {"x-lily-event-id": EVENT_ID, MALFORMED_HEADER: "a header name is not valid UTF-8"}
+    delivered = aiormq.abc.DeliveredMessage(
+        delivery=spec.Basic.Deliver("ctag", 1, False, "", "q"),
+        header=pamqp_header.ContentHeader(0, 0, spec.Basic.Properties(headers=headers)),
+        body=b"",
+        channel=None,  # type: ignore[arg-type]
+    )
+    message = InboundMessage(delivered)
+    assert message.malformed == "a header name is not valid UTF-8"
+    assert message.headers == {"x-lily-event-id": EVENT_ID}
+
+
+def test_an_ordinary_inbound_message_is_not_marked() -> None:
+    delivered = aiormq.abc.DeliveredMessage(
+        delivery=spec.Basic.Deliver("ctag", 1, False, "", "q"),
+        header=pamqp_header.ContentHeader(0, 0, spec.Basic.Properties(headers={"k": "v"})),
+        body=b"",
+        channel=None,  # type: ignore[arg-type]
+    )
+    assert InboundMessage(delivered).malformed is None

@@ -1,0 +1,199 @@
+"""Every options class refuses a bad value with a ConfigError naming the field, the value and the bound.
+
+``InboxOptions`` has its own tests; the queue and retry options are covered in test_plan.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from lily_mongo import ConfigError, Consumer, CustomPublishContent, InboxOptions, Publisher, RelayOptions, queue
+from lily_mongo.outbox import Outbox
+from lily_mongo.plan import QueueOptions
+from lily_mongo.publisher import prepare_publication
+
+URL = "amqp://guest:guest@127.0.0.1/"
+
+
+def refused(make: Callable[[], object], *parts: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        make()
+    for part in parts:
+        assert part in str(caught.value), (part, str(caught.value))
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        ({"poll_interval": -1}, ("RelayOptions.poll_interval", "-1", "0.01..3600")),
+        ({"poll_interval": 0}, ("RelayOptions.poll_interval", "0", "0.01..3600")),
+        ({"poll_interval": float("nan")}, ("RelayOptions.poll_interval", "nan", "finite")),
+        ({"claim_seconds": 0}, ("RelayOptions.claim_seconds", "0", "0.1..86400")),
+        ({"max_attempts": 0}, ("RelayOptions.max_attempts", "0", "1..1000")),
+        ({"max_attempts": 2.5}, ("RelayOptions.max_attempts", "2.5", "1..1000")),
+        ({"max_attempts": True}, ("RelayOptions.max_attempts", "True", "1..1000")),
+        ({"backoff_base": 0}, ("RelayOptions.backoff_base", "0", "0.001..3600")),
+        ({"backoff_base": 2.0, "backoff_max": 1.0}, ("RelayOptions.backoff_max", "1.0", ">= backoff_base (2.0)")),
+        ({"published_retention": 59}, ("RelayOptions.published_retention", "59", "60..31622400")),
+    ],
+)
+def test_relay_options_are_bounded(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    refused(lambda: RelayOptions(**options), *parts)
+
+
+def test_relay_options_at_their_bounds_are_accepted() -> None:
+    low = RelayOptions(poll_interval=0.01, claim_seconds=0.1, max_attempts=1, backoff_base=0.001, backoff_max=0.001)
+    assert (low.poll_interval, low.max_attempts, low.backoff_max) == (0.01, 1, 0.001)
+    high = RelayOptions(poll_interval=3600, max_attempts=1000, backoff_base=3600, backoff_max=86400)
+    assert high.poll_interval == 3600.0
+    assert isinstance(high.poll_interval, float)
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        ({"amqp_url": "http://rabbit/"}, ("amqp_url", "amqp:// or amqps://", "http://rabbit/")),
+        ({"amqp_url": "amqp:///"}, ("amqp_url", "with a host")),
+        ({"amqp_url": 42}, ("amqp_url", "int 42")),
+        ({"confirm_timeout": 0}, ("confirm_timeout", "0", "> 0 and <= 3600")),
+        ({"graceful_timeout": 3601}, ("graceful_timeout", "3601", "> 0 and <= 3600")),
+        ({"force_timeout": float("inf")}, ("force_timeout", "inf", "finite")),
+        ({"database": "shop"}, ("database", "shop", "needs a mongo_client")),
+        ({"inbox": InboxOptions()}, ("inbox", "needs a mongo_client")),
+        ({"owns_mongo_client": True}, ("owns_mongo_client", "needs a mongo_client")),
+        ({"mongo_client": "mongodb://db/", "database": "shop"}, ("mongo_client", "AsyncMongoClient", "mongodb://db/")),
+    ],
+)
+def test_consumer_options_are_checked(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    refused(lambda: Consumer(**{"amqp_url": URL, "name": "svc", **options}), *parts)
+
+
+def test_a_refused_amqp_url_is_shown_without_its_password() -> None:
+    with pytest.raises(ConfigError) as caught:
+        Consumer(amqp_url="amqp://app:P@ssw0rd@/", name="svc")
+    assert "ssw0rd" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("database", "parts"),
+    [
+        (None, ("database", "None")),
+        ("", ("database", "''")),
+        ("shop.orders", ("database", "1..63 bytes", "shop.orders")),
+        ("a" * 64, ("database", "1..63 bytes", "length 64")),
+        ("my shop", ("database", "my shop")),
+    ],
+)
+def test_consumer_database_name_is_checked(database: object, parts: tuple[str, ...]) -> None:
+    client: AsyncMongoClient[Any] = AsyncMongoClient("mongodb://127.0.0.1:1/", connect=False)
+    refused(lambda: Consumer(amqp_url=URL, name="svc", mongo_client=client, database=database), *parts)  # type: ignore[arg-type]
+
+
+def test_consumer_with_mongo_options_and_a_client_is_accepted() -> None:
+    client: AsyncMongoClient[Any] = AsyncMongoClient("mongodb://127.0.0.1:1/", connect=False)
+    consumer = Consumer(
+        amqp_url=URL, name="svc", mongo_client=client, database="a" * 63, inbox=InboxOptions(), owns_mongo_client=True
+    )
+    assert consumer.name == "svc"
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        ({"amqp_url": "rabbit:5672"}, ("amqp_url", "amqp:// or amqps://")),
+        ({"amqp_url": URL, "confirm_timeout": 0}, ("confirm_timeout", "0", "> 0 and <= 3600")),
+        ({"amqp_url": URL, "confirm_timeout": float("inf")}, ("confirm_timeout", "inf", "finite")),
+        ({"amqp_url": URL, "confirm_timeout": True}, ("confirm_timeout", "True")),
+        ({"channel": "a channel"}, ("channel", "aio-pika channel", "a channel")),
+        ({}, ("exactly one of amqp_url or channel",)),
+    ],
+)
+def test_publisher_options_are_checked(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    refused(lambda: Publisher(**options), *parts)
+
+
+def test_custom_content_encoder_must_be_callable() -> None:
+    refused(lambda: CustomPublishContent("protobuf", "application/x-protobuf", b"not callable"), "encode", "bytes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        ({"passive": "yes"}, ("passive", "True or False", "yes")),
+        ({"unknown_errors": "ignore"}, ("unknown_errors", "'retryable' or 'permanent'", "ignore")),
+    ],
+)
+def test_queue_options_name_the_refused_value(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    refused(lambda: QueueOptions(name="orders", **options), *parts)
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        ({"trace": 5}, ("trace", "int 5")),
+        ({"trace": ""}, ("trace", "non-empty")),
+        ({"middleware": [42]}, ("middleware", "async callables")),
+        ({"guards": 5}, ("guards", "int 5")),
+    ],
+)
+def test_queue_registration_options_are_checked(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    refused(lambda: queue("orders", version=1, **options), *parts)
+
+
+def keyword_options(hint: object) -> set[str]:
+    """The keys of the TypedDict behind ``**options: Unpack[TypedDict]``."""
+    assert typing.get_origin(hint) is typing.Unpack, hint
+    (typed,) = typing.get_args(hint)
+    return set(typed.__annotations__)
+
+
+def test_configure_queue_takes_exactly_the_queue_options_as_typed_keywords() -> None:
+    hint = typing.get_type_hints(Consumer.configure_queue)["options"]
+    fields = {f.name for f in dataclasses.fields(QueueOptions)} - {"name"}
+    assert keyword_options(hint) == fields
+
+
+@pytest.mark.parametrize("method", ["publish", "publish_json", "publish_text", "publish_binary"])
+@pytest.mark.parametrize("owner", [Publisher, Outbox])
+def test_publish_methods_take_exactly_the_publication_options_as_typed_keywords(owner: type, method: str) -> None:
+    hint = typing.get_type_hints(getattr(owner, method))["options"]
+    accepted = {
+        name
+        for name, parameter in inspect.signature(prepare_publication).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    # version is a parameter of its own; max_body is the outbox's bound, not the caller's.
+    assert keyword_options(hint) == accepted - {"version", "max_body"}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "parts"),
+    [
+        ({"routing_key": "", "version": 1}, ("routing_key", "1..200 bytes")),
+        ({"routing_key": "x" * 201, "version": 1}, ("routing_key", "201 bytes")),
+        ({"routing_key": "out", "version": 0}, ("version", "1..65535", "int 0")),
+        ({"routing_key": "out", "version": 1, "content": "JSON"}, ("content",)),
+        ({"routing_key": "out", "version": 1, "content": "text", "payload": int}, ("payload", "json content")),
+        ({"routing_key": "out", "version": 1, "payload": object()}, ("payload", "pydantic")),
+        ({"routing_key": "out", "version": 1, "exchange": "ex", "declare": True}, ("declare", "default exchange")),
+        ({"routing_key": "é" * 96, "version": 1, "declare": True}, ("queue name", "192 bytes")),
+    ],
+)
+def test_sends_is_checked_when_declared(arguments: dict[str, Any], parts: tuple[str, ...]) -> None:
+    consumer = Consumer(amqp_url=URL, name="svc")
+    refused(lambda: consumer.sends(**arguments), *parts)
+
+
+def test_the_same_outgoing_message_cannot_be_declared_twice() -> None:
+    consumer = Consumer(amqp_url=URL, name="svc")
+    consumer.sends("orders.confirmed", version=1)
+    consumer.sends("orders.confirmed", version=2)
+    refused(lambda: consumer.sends("orders.confirmed", version=1), "declared twice")
+    assert [m.version for m in consumer.outgoing] == [1, 2]
