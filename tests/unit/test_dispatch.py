@@ -76,6 +76,7 @@ class Message:
     redelivered: bool = False
     routing_key: str = QUEUE
     exchange: str = "orders"
+    malformed: str | None = None
 
 
 class CountingJson(Extractor):
@@ -773,3 +774,13 @@ async def test_the_body_is_decoded_once_for_attempt_one_and_again_for_a_replay()
     assert extractor.decodes == 2  # the replay decoded the body afresh
     assert payloads[1] == Order(order_id=7, lines=["book", "pen", "mutated by the handler"])
     assert payloads[1] is not payloads[0]
+
+
+def test_a_delivery_whose_metadata_was_read_leniently_is_refused_as_an_invalid_envelope() -> None:
+    trace = Trace()
+    plan = build(order_handler(trace))
+    outcome = rejected(plan, Message(envelope(), malformed="header name 0 is not UTF-8"))
+    assert (outcome.result.outcome, outcome.result.code) == (Outcome.PERMANENT, ENVELOPE_INVALID)
+    assert outcome.result.reason == "header name 0 is not UTF-8"
+    assert outcome.envelope is None
+    assert trace.events == []
