@@ -42,7 +42,11 @@ delivery frame aiormq reads and stop when the last ``basic.ack`` has been
 written to the socket (aiormq's ``Channel.basic_ack`` returns; every contender
 ACKs through it, one delivery tag at a time). The child also counts the handled
 messages and checks the decoded ids, and reports the system share of its CPU
-time and its context switches (``getrusage``), printed with each run.
+time and its context switches (``getrusage``), printed with each run next to
+how busy it was (CPU time over wall time). A consumer well under 100 % busy
+was waiting for the broker, which shares the machine: its msgs/s then say
+more about the broker and the machine than about the consumer, and the CPU
+per message is the steadier measure of the consumer's own cost.
 
 Reported per prefetch: each run's msgs/s and consumer CPU µs per message, the
 medians with min..max, and the per-round paired ratios lily/raw and
@@ -519,8 +523,8 @@ async def one_round(
             if run.ok:
                 print(
                     f"{where} {args.messages / run.flowing:7.0f} msgs/s, CPU {run.cpu / args.messages * 1e6:6.1f} "
-                    f"us/msg ({run.cpu_sys / run.cpu:.0%} system; {run.switches / args.messages:.2f} context "
-                    f"switches/msg; start-up {run.startup:.2f} s)",
+                    f"us/msg ({run.cpu_sys / run.cpu:.0%} system; busy {run.cpu / run.flowing:.0%}; "
+                    f"{run.switches / args.messages:.2f} context switches/msg; start-up {run.startup:.2f} s)",
                     flush=True,
                 )
             else:
@@ -555,7 +559,8 @@ def report(setting: Setting, messages: int) -> None:
         print(
             f"   {LABELS[kind]:<13} {spread([messages / r.flowing for r in runs], '.0f')} msgs/s, "
             f"CPU {spread([r.cpu / messages * 1e6 for r in runs], '.1f')} us/msg, "
-            f"{spread([r.cpu_sys / r.cpu * 100 for r in runs], '.0f')} % of it system time"
+            f"{spread([r.cpu_sys / r.cpu * 100 for r in runs], '.0f')} % of it system time, "
+            f"busy {spread([r.cpu / r.flowing * 100 for r in runs], '.0f')} % of the time"
             + (f"; {failed} run(s) FAILED" if failed else "")
         )
     for kind in ("raw", "faststream"):
