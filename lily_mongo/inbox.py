@@ -47,6 +47,7 @@ from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
 from . import lease as protocol
+from ._checks import check_bool, check_int, check_seconds
 from ._mongo import discard_server_session, ensure_index, error_labels
 from ._tasks import TaskSet
 from .bounds import BOUNDS
@@ -76,21 +77,6 @@ _DUPLICATE = PipelineResult(Outcome.DUPLICATE)
 _SUCCESS = PipelineResult(Outcome.SUCCESS)
 
 
-def _check_seconds(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        raise ConfigError(f"InboxOptions.{name} must be a number of seconds, got {value!r:.40}")
-    if (value <= low if low_open else value < low) or value > high:
-        shown = f"> {low:g}" if low_open else f">= {low:g}"
-        raise ConfigError(f"InboxOptions.{name} must be {shown} and <= {high:g} seconds, got {value!r}")
-    return float(value)
-
-
-def _check_int(name: str, value: object, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"InboxOptions.{name} must be an integer {low}..{high}, got {value!r:.40}")
-    return value
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InboxOptions:
     """Collections, lease timing, retention and replay budgets of the inbox and outbox."""
@@ -117,25 +103,27 @@ class InboxOptions:
                 raise ConfigError(f"InboxOptions.{name} must be a collection name of 1..120 bytes, got {value!r:.60}")
         if self.records == self.outbox:
             raise ConfigError(f"InboxOptions.records and .outbox must differ, both are {self.records!r:.60}")
-        _check_seconds("lease_seconds", self.lease_seconds, 0.05, 3600)
-        heartbeat = self.heartbeat_seconds if self.heartbeat_seconds is not None else self.lease_seconds / 3
-        _check_seconds("heartbeat_seconds", heartbeat, 0, self.lease_seconds, low_open=True)
+        lease_seconds = check_seconds("InboxOptions.lease_seconds", self.lease_seconds, low=0.05, high=3600)
+        heartbeat = self.heartbeat_seconds if self.heartbeat_seconds is not None else lease_seconds / 3
+        check_seconds("InboxOptions.heartbeat_seconds", heartbeat, low=0, high=lease_seconds, low_inclusive=False)
         if heartbeat >= self.lease_seconds:
             raise ConfigError(
                 f"InboxOptions.heartbeat_seconds must be < lease_seconds ({self.lease_seconds:g}), got {heartbeat!r}"
             )
         object.__setattr__(self, "heartbeat_seconds", float(heartbeat))
-        _check_seconds("retention_seconds", self.retention_seconds, 60, 366 * 24 * 3600)
-        _check_seconds("stale_lease_seconds", self.stale_lease_seconds, 1, 366 * 24 * 3600)
-        _check_int("replay_budget", self.replay_budget, 0, 100)
-        _check_int("commit_retries", self.commit_retries, 0, 100)
-        _check_seconds("backoff_base", self.backoff_base, 0, 60, low_open=True)
-        _check_seconds("backoff_max", self.backoff_max, 0, 600, low_open=True)
+        check_seconds("InboxOptions.retention_seconds", self.retention_seconds, low=60, high=366 * 24 * 3600)
+        check_seconds("InboxOptions.stale_lease_seconds", self.stale_lease_seconds, low=1, high=366 * 24 * 3600)
+        check_int("InboxOptions.replay_budget", self.replay_budget, 0, 100)
+        check_int("InboxOptions.commit_retries", self.commit_retries, 0, 100)
+        check_seconds("InboxOptions.backoff_base", self.backoff_base, low=0, high=60, low_inclusive=False)
+        check_seconds("InboxOptions.backoff_max", self.backoff_max, low=0, high=600, low_inclusive=False)
         if self.backoff_base > self.backoff_max:
             raise ConfigError(
                 f"InboxOptions.backoff_base must be <= backoff_max ({self.backoff_max:g}), got {self.backoff_base!r}"
             )
-        _check_int("outbox_max_body", self.outbox_max_body, 1, BOUNDS.outbox_body_max)
+        check_int("InboxOptions.outbox_max_body", self.outbox_max_body, 1, BOUNDS.outbox_body_max)
+        check_bool("InboxOptions.passive_indexes", self.passive_indexes)
+        check_bool("InboxOptions.run_relay", self.run_relay)
         if not isinstance(self.relay, RelayOptions):
             raise ConfigError(f"InboxOptions.relay must be a RelayOptions, got {type(self.relay).__name__}")
 

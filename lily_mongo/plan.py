@@ -9,11 +9,11 @@ dispatch table the runtime reads on every delivery. Pure: no I/O.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from ._checks import check_int, check_seconds
 from ._text import describe_value
 from .bounds import BOUNDS, utf8_len
 from .envelope import Envelope, check_content_kind
@@ -48,18 +48,9 @@ _LONGEST_SUFFIX = max(len(f".retry.{BOUNDS.retry_buckets_per_queue - 1}"), len("
 _MAX_DELAY_SECONDS = 7 * 24 * 3600.0
 
 
-def _check_int(field_name: str, value: object, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{field_name} must be an integer {low}..{high}, got {describe_value(value)}")
-    return value
-
-
 def _check_seconds(field_name: str, value: object, *, low: float = 0.0, high: float = _MAX_DELAY_SECONDS) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"{field_name} must be a finite number of seconds, got {describe_value(value)}")
-    if not low < value <= high:
-        raise ConfigError(f"{field_name} must be > {low:g} and <= {high:g} seconds, got {value!r}")
-    return float(value)
+    """Seconds above ``low`` (exclusive) up to ``high``: every duration in a plan."""
+    return check_seconds(field_name, value, low=low, high=high, low_inclusive=False)
 
 
 def check_name(field_name: str, name: object, *, suffix_bytes: int = 0) -> str:
@@ -86,7 +77,7 @@ class RetryPolicy:
     delays: tuple[float, ...] = (1.0, 5.0, 30.0, 120.0, 600.0)
 
     def __post_init__(self) -> None:
-        _check_int("RetryPolicy.max_retries", self.max_retries, 0, BOUNDS.max_retries)
+        check_int("RetryPolicy.max_retries", self.max_retries, 0, BOUNDS.max_retries)
         delays = tuple(self.delays) if isinstance(self.delays, Sequence) else self.delays
         if not isinstance(delays, tuple) or (self.max_retries > 0 and not delays):
             raise ConfigError(f"RetryPolicy.delays must be a non-empty sequence of seconds, got {self.delays!r:.60}")
@@ -136,20 +127,20 @@ class QueueOptions:
     def __post_init__(self) -> None:
         where = f"queue {self.name!r:.60}"
         check_name("queue name", self.name, suffix_bytes=_LONGEST_SUFFIX)
-        _check_int(f"{where}: concurrency", self.concurrency, BOUNDS.concurrency_min, BOUNDS.concurrency_max)
-        _check_int(f"{where}: prefetch", self.prefetch, 1, BOUNDS.prefetch_max)
+        check_int(f"{where}: concurrency", self.concurrency, BOUNDS.concurrency_min, BOUNDS.concurrency_max)
+        check_int(f"{where}: prefetch", self.prefetch, 1, BOUNDS.prefetch_max)
         if self.buffer is None:
             object.__setattr__(self, "buffer", self.prefetch)
-        _check_int(f"{where}: buffer", self.buffer, 0, self.prefetch)
-        _check_int(f"{where}: max_body", self.max_body, 1, BOUNDS.queue_body_max)
+        check_int(f"{where}: buffer", self.buffer, 0, self.prefetch)
+        check_int(f"{where}: max_body", self.max_body, 1, BOUNDS.queue_body_max)
         if not isinstance(self.retry, RetryPolicy):
             raise ConfigError(f"{where}: retry must be a RetryPolicy, got {type(self.retry).__name__}")
         if self.queue_type not in ("classic", "quorum"):
             raise ConfigError(f"{where}: queue_type must be 'classic' or 'quorum', got {self.queue_type!r:.40}")
         _check_seconds(f"{where}: deadline", self.deadline, high=24 * 3600.0)
         _check_seconds(f"{where}: cooperation_window", self.cooperation_window, high=3600.0)
-        _check_int(f"{where}: max_deferrals", self.max_deferrals, 1, 10_000)
-        _check_int(f"{where}: max_handoff_failures", self.max_handoff_failures, 1, 1000)
+        check_int(f"{where}: max_deferrals", self.max_deferrals, 1, 10_000)
+        check_int(f"{where}: max_handoff_failures", self.max_handoff_failures, 1, 1000)
         if self.unknown_errors not in ("retryable", "permanent"):
             raise ConfigError(
                 f"{where}: unknown_errors must be 'retryable' or 'permanent', got {describe_value(self.unknown_errors)}"
@@ -205,7 +196,7 @@ def queue(
     serve several versions with one function.
     """
     check_name("queue name", name, suffix_bytes=_LONGEST_SUFFIX)
-    _check_int("version", version, BOUNDS.schema_version_min, BOUNDS.schema_version_max)
+    check_int("version", version, BOUNDS.schema_version_min, BOUNDS.schema_version_max)
     problem = check_content_kind(content)
     if problem is not None:
         raise ConfigError(f"content {problem}")

@@ -1,0 +1,63 @@
+"""InboxOptions: every field is checked when given, and the error names the field, the value and the bound."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lily_mongo import ConfigError, InboxOptions, RelayOptions
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"lease_seconds": 0.01}, ("InboxOptions.lease_seconds", "0.01", "0.05..3600")),
+        ({"lease_seconds": float("nan")}, ("InboxOptions.lease_seconds", "nan")),
+        ({"lease_seconds": True}, ("InboxOptions.lease_seconds", "True")),
+        ({"heartbeat_seconds": 0}, ("InboxOptions.heartbeat_seconds", "0", "> 0")),
+        ({"lease_seconds": 3, "heartbeat_seconds": 3}, ("InboxOptions.heartbeat_seconds", "3", "< lease_seconds (3)")),
+        ({"retention_seconds": 59}, ("InboxOptions.retention_seconds", "59", "60..31622400")),
+        ({"stale_lease_seconds": 0}, ("InboxOptions.stale_lease_seconds", "0", "1..31622400")),
+        ({"replay_budget": 101}, ("InboxOptions.replay_budget", "101", "0..100")),
+        ({"replay_budget": -1}, ("InboxOptions.replay_budget", "-1", "0..100")),
+        ({"commit_retries": 1.5}, ("InboxOptions.commit_retries", "1.5", "0..100")),
+        ({"backoff_base": -1}, ("InboxOptions.backoff_base", "-1", "> 0")),
+        ({"backoff_max": 0}, ("InboxOptions.backoff_max", "0", "> 0")),
+        ({"backoff_base": 2.0, "backoff_max": 1.0}, ("InboxOptions.backoff_base", "2.0", "<= backoff_max (1)")),
+        ({"outbox_max_body": 0}, ("InboxOptions.outbox_max_body", "0", "1..16777216")),
+        ({"records": ""}, ("InboxOptions.records", "1..120 bytes")),
+        ({"records": "a$b"}, ("InboxOptions.records", "a$b")),
+        ({"outbox": "x" * 121}, ("InboxOptions.outbox", "1..120 bytes")),
+        ({"records": "same", "outbox": "same"}, ("InboxOptions.records", "must differ", "same")),
+        ({"passive_indexes": "yes"}, ("InboxOptions.passive_indexes", "yes")),
+        ({"run_relay": 1}, ("InboxOptions.run_relay",)),
+        ({"relay": {"poll_interval": 1}}, ("InboxOptions.relay", "RelayOptions", "dict")),
+    ],
+)
+def test_a_value_out_of_bounds_is_refused_naming_field_value_and_bound(
+    options: dict[str, Any], named: tuple[str, ...]
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        InboxOptions(**options)
+    for part in named:
+        assert part in str(info.value), (part, str(info.value))
+
+
+def test_the_defaults_and_the_bounds_themselves_are_accepted() -> None:
+    options = InboxOptions()
+    assert (options.records, options.outbox, options.lease_seconds) == ("lily_inbox", "lily_outbox", 30.0)
+    assert options.heartbeat_seconds == pytest.approx(10.0)  # a third of the lease
+    edge = InboxOptions(
+        lease_seconds=0.05,
+        heartbeat_seconds=0.01,
+        retention_seconds=60,
+        stale_lease_seconds=1,
+        replay_budget=0,
+        commit_retries=100,
+        backoff_base=1.0,
+        backoff_max=1.0,
+        outbox_max_body=16 * 1024 * 1024,
+        relay=RelayOptions(),
+    )
+    assert edge.lease_seconds == 0.05
