@@ -181,7 +181,13 @@ def _aware(value: object) -> datetime.datetime | None:
 
 
 def read_claim(record: Record, owner: str) -> Claim:
-    """What the claim's returned record (the record after the update) means for this attempt."""
+    """What the claim's returned record (the record after the update) means for this attempt.
+
+    "The record's owner is ``owner``" is taken as proof that this claim holds the lease
+    (and :func:`reconcile` takes owner and token as proof of this attempt's commit): an
+    owner id must be unique to one claim. The inbox makes each one from the consumer
+    name, a per-process random instance id and a per-process counter.
+    """
     if record.get("state") == COMPLETED:
         return Claim(ClaimKind.DUPLICATE)
     if record.get("owner") == owner:
