@@ -42,6 +42,7 @@ from .outbox import OutboxRelay
 from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions
 from .runtime import Runtime
 from .settlement import Terminal
+from .telemetry import Telemetry, resolve_telemetry
 from .topology import declare_topology
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ class ConsumerSettings:
     force_timeout: float
     inbox: InboxOptions
     owns_mongo_client: bool
+    telemetry: Telemetry | None = None
 
 
 class _Steps:
@@ -134,8 +136,17 @@ class _Steps:
             self.actions.append(
                 ShutdownAction(name, False, False, f"{type(exc).__name__}: {exc}"[:300], time.monotonic() - started)
             )
+            log.warning("shutdown step %s failed: %s", name, type(exc).__name__, extra={"step": name})
             return False
         self.actions.append(ShutdownAction(name, True, observed, None, time.monotonic() - started))
+        log.log(
+            logging.INFO if observed else logging.WARNING,
+            "shutdown step %s: ok, termination %s (%.3f s)",
+            name,
+            "observed" if observed else "NOT observed",
+            time.monotonic() - started,
+            extra={"step": name},
+        )
         return observed
 
 
@@ -144,7 +155,10 @@ class Consumer:
 
     ``mongo_client`` is caller-owned unless ``owns_mongo_client=True``; it is
     never closed otherwise. ``database`` holds the inbox, lease and outbox
-    collections and is what ``MongoScope.database`` returns.
+    collections and is what ``MongoScope.database`` returns. ``telemetry``:
+    traces and metrics through the OpenTelemetry API, on by default when it is
+    installed (``False`` turns them off; a :class:`~lily_mongo.telemetry.Telemetry`
+    chooses providers), see ``docs/observability.md``.
     """
 
     def __init__(
@@ -159,6 +173,7 @@ class Consumer:
         force_timeout: float = 5.0,
         inbox: InboxOptions | None = None,
         owns_mongo_client: bool = False,
+        telemetry: bool | Telemetry = True,
     ) -> None:
         if not isinstance(amqp_url, str) or not amqp_url:
             raise ConfigError("amqp_url must be a non-empty AMQP URL")
@@ -183,6 +198,7 @@ class Consumer:
             force_timeout=float(force_timeout),
             inbox=inbox or InboxOptions(),
             owns_mongo_client=owns_mongo_client,
+            telemetry=resolve_telemetry(telemetry),
         )
         self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
         self._state = State.NEW
@@ -283,6 +299,7 @@ class ManagedConsumer:
         self._graceful_timeout = settings.graceful_timeout
         self._force_timeout = settings.force_timeout
         self._supervisor: asyncio.Task[ShutdownReport] = asyncio.get_running_loop().create_future()  # type: ignore[assignment]
+        self._unwatch: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return f"<ManagedConsumer name={self._settings.name!r} state={self._state.value}>"
@@ -299,6 +316,17 @@ class ManagedConsumer:
         """The lifecycle state: starting, running, draining, forcing or stopped."""
         return self._state.value
 
+    @property
+    def ready(self) -> bool:
+        """True while running with every consuming channel and the handoff channel open
+        (False while starting, reconnecting, draining or stopped): a readiness probe."""
+        return self._state is State.RUNNING and self._runtime is not None and self._runtime.channels_open()
+
+    @property
+    def telemetry(self) -> Telemetry | None:
+        """The telemetry this consumer reports to, or None when it is off."""
+        return self._settings.telemetry
+
     async def _start(self) -> None:
         settings = self._settings
         self._connection = await connect_amqp(settings.amqp_url)
@@ -309,7 +337,10 @@ class ManagedConsumer:
             inbox_options = settings.inbox
             database = settings.mongo_client[settings.database]
             self._relay = OutboxRelay(
-                database[inbox_options.outbox], inbox_options.relay, f"{settings.name[:64]}:{uuid.uuid4().hex[:12]}"
+                database[inbox_options.outbox],
+                inbox_options.relay,
+                f"{settings.name[:64]}:{uuid.uuid4().hex[:12]}",
+                telemetry=settings.telemetry,
             )
             self._inbox = Inbox(
                 settings.mongo_client,
@@ -317,6 +348,7 @@ class ManagedConsumer:
                 inbox_options,
                 owner_prefix=settings.name,
                 on_outbox_commit=self._relay.wake,
+                telemetry=settings.telemetry,
             )
             try:
                 await self._inbox.prepare()
@@ -325,8 +357,16 @@ class ManagedConsumer:
                 raise TransportError(f"MongoDB refused the inbox set-up: {type(exc).__name__}: {exc}"[:500]) from exc
             self._inbox.start(self._tasks)
         self._runtime = Runtime(
-            self.plan, self._connection, self._tasks, inbox=self._inbox, confirm_timeout=settings.confirm_timeout
+            self.plan,
+            self._connection,
+            self._tasks,
+            inbox=self._inbox,
+            confirm_timeout=settings.confirm_timeout,
+            telemetry=settings.telemetry,
         )
+        if settings.telemetry is not None:  # observable instruments read the snapshot when collected
+            names = tuple(self.plan.queues)
+            self._unwatch = settings.telemetry.watch(lambda: (self.snapshot(), names))
         if isinstance(self._connection, aio_pika.abc.AbstractRobustConnection):
             runtime = self._runtime
             self._connection.reconnect_callbacks.add(lambda *_: runtime.on_reconnect())
@@ -349,6 +389,8 @@ class ManagedConsumer:
             await self._connection.close()
         if self._settings.owns_mongo_client and self._settings.mongo_client is not None:
             await self._settings.mongo_client.close()
+        if self._unwatch is not None:
+            self._unwatch()
         self._state = State.STOPPED
 
     # -- observers ----------------------------------------------------------------------
@@ -503,6 +545,8 @@ class ManagedConsumer:
             await steps.run("mongo_client_close", mongo_close)
         settled: collections.Counter[str] = runtime.settled_during_shutdown
         unresolved = settled.get(Terminal.UNRESOLVED.value, 0)
+        if self._unwatch is not None:
+            self._unwatch()
         self._state = State.STOPPED
         self._on_stopped()
         succeeded = unresolved == 0 and all(a.ok and a.observed for a in steps.actions if a.name not in ("drain",))
