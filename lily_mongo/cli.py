@@ -11,7 +11,7 @@ import importlib
 import json
 import os
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 try:
     import typer
@@ -29,11 +29,15 @@ from pymongo import AsyncMongoClient
 from . import inbox as inbox_records
 from ._amqp import republish
 from ._connect import redact_url
+from ._logs import configure_logging
 from .asyncapi import asyncapi_document
 from .envelope import EVENT_ID_HEADER, RETRY_COUNT_HEADER
 from .errors import LilyError, PublishError
 from .inbox import InboxOptions
 from .lifecycle import Consumer
+
+if TYPE_CHECKING:
+    from ._http import ProbeServer
 
 __all__ = ["app", "main"]
 
@@ -71,21 +75,41 @@ def load_consumer(target: str) -> Consumer:
 
 
 @app.command()
-def run(target: Annotated[str, typer.Argument(help="module:consumer (a Consumer or a factory returning one)")]) -> None:
+def run(
+    target: Annotated[str, typer.Argument(help="module:consumer (a Consumer or a factory returning one)")],
+    http_port: Annotated[
+        int | None,
+        typer.Option("--http-port", min=1, max=65535, help="Serve /healthz, /readyz and /metrics on this port."),
+    ] = None,
+    http_host: Annotated[str, typer.Option("--http-host", help="Address for --http-port.")] = "127.0.0.1",
+    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
+    log_format: Annotated[str, typer.Option("--log-format", help="text or json.")] = "text",
+) -> None:
     """Run a consumer until SIGTERM/SIGINT (graceful); a second signal forces. Prints the shutdown report.
 
     Exit status: 0 after a graceful shutdown that succeeded, 1 after a failed or forced one, 2 on a bad target.
     """
+    try:
+        configure_logging(log_level, log_format)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
     async def main() -> int:
         consumer = load_consumer(target)
-        managed = await consumer.start()
-        uninstall = managed.install_signal_handlers()
-        err_console.print(f"[green]running[/] {consumer.name} ({len(managed.plan.queues)} queues); Ctrl-C to stop")
+        probes = await _start_probes(http_host, http_port) if http_port is not None else None
         try:
-            report = await managed.wait()
+            managed = await consumer.start()
+            if probes is not None:
+                probes.attach(managed)
+            uninstall = managed.install_signal_handlers()
+            err_console.print(f"[green]running[/] {consumer.name} ({len(managed.plan.queues)} queues); Ctrl-C to stop")
+            try:
+                report = await managed.wait()
+            finally:
+                uninstall()
         finally:
-            uninstall()
+            if probes is not None:
+                await probes.stop()
         console.print(report.render())
         # Non-zero when anything is unresolved or unobserved, and when the graceful
         # window did not suffice (a forced shutdown), so supervisors notice.
@@ -97,6 +121,22 @@ def run(target: Annotated[str, typer.Argument(help="module:consumer (a Consumer 
         err_console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from exc
     raise typer.Exit(code)
+
+
+async def _start_probes(host: str, port: int) -> ProbeServer:
+    """The /healthz, /readyz and /metrics server (the ``http`` extra), listening before the consumer starts."""
+    try:
+        from ._http import ProbeServer  # optional dependencies: imported only when asked for
+    except ModuleNotFoundError as exc:
+        err_console.print(f"[red]error:[/] --http-port needs the 'http' extra: pip install 'lily-mongo[http]' ({exc})")
+        raise typer.Exit(2) from exc
+    probes = ProbeServer(host, port)
+    try:
+        await probes.start()
+    except OSError as exc:
+        err_console.print(f"[red]error:[/] cannot listen on {host}:{port}: {exc.strerror}")
+        raise typer.Exit(2) from exc
+    return probes
 
 
 @app.command()
