@@ -491,14 +491,14 @@ class Runtime:
         evidence: Evidence | None = None
         telemetry = self.telemetry
         if telemetry is not None:
-            message = state.message
-            state.trace = telemetry.delivery_started(qr.options.name, message.headers, len(message.body))
+            state.trace = telemetry.delivery_started(qr.options.name, state.message.headers)
         try:
             prepared = prepare(self.plan, qr.options, state.message)
             if isinstance(prepared, Prepared):
                 state.envelope, state.handler_id = prepared.delivery.envelope, prepared.route.handler_id
-                execution = self._execute_under_deadline(state, prepared)
-                state.execution = await (execution if state.trace is None else state.trace.timed(execution))
+                state.execution = await self._execute_under_deadline(state, prepared)
+                if state.trace is not None:  # the execution started at its deadline less the queue's deadline
+                    state.trace.executed(state.deadline_at - qr.options.deadline)
                 if state.dropped:
                     return  # the drop path settles it; this late result is discarded
             else:

@@ -297,6 +297,7 @@ class Telemetry:
             raise ConfigError("Telemetry needs opentelemetry-api: pip install 'lily-mongo[otel]'")
         self._tracer = otel_trace.get_tracer(SCOPE, tracer_provider=tracer_provider)
         self._instruments = _instruments_for(meter_provider or otel_metrics.get_meter_provider())
+        self._started: dict[str, tuple[str, dict[str, str]]] = {}  # per queue: span name, start attributes
         self._process_attributes: dict[tuple[str, str], dict[str, str]] = {}
         self._queue_attributes: dict[str, dict[str, str]] = {}
         # What the Prometheus exposition reads (the snapshot holds no durations).
@@ -329,17 +330,21 @@ class Telemetry:
 
     # -- one delivery -----------------------------------------------------------------------------
 
-    def delivery_started(self, queue: str, headers: Mapping[str, Any], body_size: int) -> DeliveryTrace:
+    def delivery_started(self, queue: str, headers: Mapping[str, Any]) -> DeliveryTrace:
         """Start the delivery's ``CONSUMER`` span (continuing its trace context) and make it current."""
         parent = _PROPAGATOR.extract(headers, _EMPTY, _GETTER) if TRACEPARENT_HEADER in headers else _EMPTY
-        attributes: dict[str, str | int] = {
-            "messaging.system": SYSTEM,
-            "messaging.operation.type": "process",
-            "messaging.operation.name": "process",
-            "messaging.destination.name": queue,
-            "messaging.message.body.size": body_size,
-        }
-        span = self._tracer.start_span(f"process {queue}", parent, SpanKind.CONSUMER, attributes)
+        started = self._started.get(queue)
+        if started is None:
+            started = self._started[queue] = (
+                f"process {queue}",
+                {
+                    "messaging.system": SYSTEM,
+                    "messaging.operation.type": "process",
+                    "messaging.operation.name": "process",
+                    "messaging.destination.name": queue,
+                },
+            )
+        span = self._tracer.start_span(started[0], parent, SpanKind.CONSUMER, started[1])
         token = otel_context.attach(otel_trace.set_span_in_context(span, parent))
         return DeliveryTrace(self, queue, span, token)
 
@@ -466,13 +471,9 @@ class DeliveryTrace:
         self.started = time.monotonic()
         self.handler_seconds: float | None = None
 
-    async def timed[T](self, execution: Awaitable[T]) -> T:
-        """Await the delivery's execution and keep its duration for ``lily.handler.duration``."""
-        started = time.monotonic()
-        try:
-            return await execution
-        finally:
-            self.handler_seconds = time.monotonic() - started
+    def executed(self, started: float) -> None:
+        """The execution (started at ``time.monotonic()`` value ``started``) returned its verdict."""
+        self.handler_seconds = time.monotonic() - started
 
     def finish(
         self, handler_id: str | None, event_id: object, outcome: str, code: str | None, execution: Execution
@@ -490,7 +491,7 @@ class DeliveryTrace:
             attributes["messaging.message.id"] = str(event_id)
         if code:
             attributes["lily.failure.code"] = code
-        if execution.attempts:
+        if execution.attempts > 1:
             attributes["lily.attempts"] = execution.attempts
         if execution.transient_replays:
             attributes["lily.inbox.transient_replays"] = execution.transient_replays

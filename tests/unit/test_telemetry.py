@@ -76,7 +76,7 @@ def test_a_delivery_continues_only_a_valid_text_traceparent(
     continued: bool,
 ) -> None:
     headers: dict[str, object] = {} if traceparent is None else {"traceparent": traceparent}
-    trace = telemetry.delivery_started("orders", headers, 10)
+    trace = telemetry.delivery_started("orders", headers)
     trace.finish("orders/h", uuid.uuid4(), "acked", None, Execution(PipelineResult(Outcome.SUCCESS), attempts=1))
     trace.detach()
     (span,) = finished(providers)
@@ -89,7 +89,7 @@ def test_unresolved_and_dead_lettered_outcomes_end_with_error_status(
     telemetry: Telemetry, providers: tuple[InMemorySpanExporter, TracerProvider, MeterProvider]
 ) -> None:
     for outcome, code in (("unresolved", None), ("dead_lettered", "ORDER_INVALID"), ("retried", "PAYMENT_DOWN")):
-        trace = telemetry.delivery_started("orders", {}, 1)
+        trace = telemetry.delivery_started("orders", {})
         result = PipelineResult(Outcome.RETRYABLE, code)
         trace.finish("orders/h", None, outcome, code, Execution(result, attempts=1, deferrals=2))
         trace.detach()
@@ -193,7 +193,7 @@ def fake_consumer(telemetry: Telemetry | None) -> Any:
 
 def test_metrics_exposition_reads_the_snapshot_and_the_histograms(telemetry: Telemetry) -> None:
     for seconds in (0.0004, 0.02, 3.0):
-        trace = telemetry.delivery_started("orders.created", {}, 1)
+        trace = telemetry.delivery_started("orders.created", {})
         trace.handler_seconds = seconds / 2
         trace.started -= seconds
         trace.finish(None, None, "acked", None, Execution(PipelineResult(Outcome.SUCCESS), attempts=1))
