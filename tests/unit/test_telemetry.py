@@ -21,6 +21,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lily_mongo import ConfigError, PublishError
+from lily_mongo import telemetry as telemetry_module
 from lily_mongo._http import ProbeServer
 from lily_mongo._logs import JsonFormatter, configure_logging
 from lily_mongo.bounds import BOUNDS
@@ -256,3 +257,10 @@ def test_configure_logging_checks_its_arguments() -> None:
         configure_logging("verbose", "text")
     with pytest.raises(ValueError, match="--log-format"):
         configure_logging("info", "xml")
+
+
+def test_without_the_api_telemetry_is_off_by_default_and_cannot_be_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(telemetry_module, "AVAILABLE", False)
+    assert resolve_telemetry(True) is None
+    with pytest.raises(ConfigError, match="opentelemetry-api"):
+        Telemetry()
