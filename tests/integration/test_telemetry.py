@@ -41,7 +41,7 @@ from lily_mongo import (
 )
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.telemetry import Telemetry
-from tests.support import BrokerNames, drain, eventually, running, wait_for_depth, wait_observations
+from tests.support import BrokerNames, FailPoints, drain, eventually, running, wait_for_depth, wait_observations
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -403,3 +403,36 @@ async def test_metrics_count_each_outcome_by_queue(
             assert not {str(e) for e in events} & {str(v) for v in attributes.values()}
     # After shutdown the consumer is no longer observed.
     assert metric_points(sdk, "lily.deliveries", q) == []
+
+
+async def test_a_commit_reconciliation_is_a_span_under_the_commit(
+    amqp: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    sdk: Sdk,
+    telemetry: Telemetry,
+    failpoints: FailPoints,
+) -> None:
+    q = names.queue("reconcile")
+
+    @queue(q, version=1, content="json")
+    async def handle(order: Json[dict[str, Any]], event_id: EventId, mongo: MongoScope) -> None:
+        await mongo.database["effects"].insert_one({"_id": str(event_id)}, session=mongo.session)
+
+    consumer = Consumer(
+        amqp_url=amqp, mongo_client=mongo_client, database=database_name, name="telemetry-rec", telemetry=telemetry
+    )
+    consumer.configure_queue(q, concurrency=1, prefetch=2, retry=RetryPolicy(max_retries=0, delays=()))
+    consumer.include(handle)
+    async with running(consumer) as managed:
+        await failpoints.set(["commitTransaction"], times=1, error_code=50, labels=["UnknownTransactionCommitResult"])
+        await publish(amqp, q, {"n": 1})
+        observed = await wait_observations(managed, 1)
+    assert observed[0].outcome == "acked"
+    commit = one(spans_of(sdk, name="inbox commit"))
+    reconcile = one(spans_of(sdk, name="inbox reconcile"))
+    assert parent_id(reconcile) == commit.context.span_id
+    assert dict(reconcile.attributes or {})["lily.inbox.verdict"] == "success"
+    delivery = one(spans_of(sdk, SpanKind.CONSUMER))
+    assert dict(delivery.attributes or {})["lily.inbox.reconciliations"] == 1
