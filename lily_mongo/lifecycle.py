@@ -139,11 +139,13 @@ class _Steps:
             log.warning("shutdown step %s failed: %s", name, type(exc).__name__, extra={"step": name})
             return False
         self.actions.append(ShutdownAction(name, True, observed, None, time.monotonic() - started))
+        # Incomplete: for the drain, the graceful window did not settle everything; for the
+        # others, the dependency's termination was not observed.
         log.log(
             logging.INFO if observed else logging.WARNING,
-            "shutdown step %s: ok, termination %s (%.3f s)",
+            "shutdown step %s: %s (%.3f s)",
             name,
-            "observed" if observed else "NOT observed",
+            "complete" if observed else "incomplete",
             time.monotonic() - started,
             extra={"step": name},
         )

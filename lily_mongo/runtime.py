@@ -490,9 +490,9 @@ class Runtime:
         step: Step | None = None
         evidence: Evidence | None = None
         telemetry = self.telemetry
-        if telemetry is not None:
-            state.trace = telemetry.delivery_started(qr.options.name, state.message.headers)
         try:
+            if telemetry is not None:
+                state.trace = telemetry.delivery_started(qr.options.name, state.message.headers)
             prepared = prepare(self.plan, qr.options, state.message)
             if isinstance(prepared, Prepared):
                 state.envelope, state.handler_id = prepared.delivery.envelope, prepared.route.handler_id
