@@ -264,3 +264,21 @@ def test_without_the_api_telemetry_is_off_by_default_and_cannot_be_built(monkeyp
     assert resolve_telemetry(True) is None
     with pytest.raises(ConfigError, match="opentelemetry-api"):
         Telemetry()
+
+
+async def test_probes_answer_from_the_consumer_state() -> None:
+    server = ProbeServer("127.0.0.1", 0)
+    assert (await server._readyz(None)).status == 503  # type: ignore[arg-type]  # starting: no consumer yet
+    assert (await server._healthz(None)).status == 200  # type: ignore[arg-type]
+    failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    managed = fake_consumer(None)
+    managed.wait = lambda: failed
+    server.attach(managed)
+    assert (await server._readyz(None)).status == 200  # type: ignore[arg-type]
+    managed.ready, managed.state = False, "draining"
+    response = await server._readyz(None)  # type: ignore[arg-type]
+    assert (response.status, response.text) == (503, "not ready: draining\n")
+    failed.set_exception(RuntimeError("supervisor crashed"))
+    await asyncio.sleep(0)
+    assert (await server._healthz(None)).status == 503  # type: ignore[arg-type]
+    await server.stop()
