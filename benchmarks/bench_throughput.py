@@ -1,7 +1,14 @@
 """Consume throughput: a lily_mongo at_least_once Consumer against raw aio-pika, same broker, same prefetch.
 
-Run: ``python benchmarks/bench_throughput.py [--messages 5000] [--runs 7] [--prefetch 64] [--concurrency 32]``
-(``LILY_AMQP_URL`` selects the broker; default the local RabbitMQ as guest).
+Run: ``python benchmarks/bench_throughput.py [--messages 5000] [--runs 7] [--prefetch 64] [--concurrency 32]
+[--telemetry off|on|compare]`` (``LILY_AMQP_URL`` selects the broker; default the local RabbitMQ as guest).
+
+``--telemetry`` chooses the lily consumer's telemetry: ``off`` (the default,
+``telemetry=False``), ``on`` (the OpenTelemetry SDK with a batch span processor
+and a periodic metric reader whose exporters discard everything: the cost of
+producing the telemetry, not of shipping it), or ``compare``: each round runs
+lily with telemetry off and on instead of raw and lily, and the ratio printed is
+the on/off throughput ratio.
 
 Before every timed run the queue is filled with ``--messages`` small JSON
 messages published with confirms (transient, canonical Lily headers), so only
@@ -50,9 +57,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lily_mongo import Consumer, Json, QueueOptions, RetryPolicy, queue
 from lily_mongo.publisher import JSON, prepare_publication
+from lily_mongo.telemetry import Telemetry
 from lily_mongo.topology import declare_topology, topology_names
 
 TARGET_RATIO = 0.8
+TELEMETRY_TARGET = 0.85  # telemetry on may cost at most 15 % of the throughput with it off
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
 PUBLISH_BATCH = 500
 
@@ -85,6 +94,42 @@ async def fill(channel: aio_pika.abc.AbstractChannel, name: str, count: int) -> 
 async def ready(channel: aio_pika.abc.AbstractChannel, name: str) -> int:
     declared = await channel.declare_queue(name, passive=True)
     return int(declared.declaration_result.message_count or 0)
+
+
+def sdk_telemetry(sample: float = 1.0) -> Telemetry:
+    """The OpenTelemetry SDK as a service would set it up, with exporters that discard everything;
+    ``sample`` < 1 samples that share of new traces (``ParentBased(TraceIdRatioBased(sample))``)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        MetricExporter,
+        MetricExportResult,
+        MetricsData,
+        PeriodicExportingMetricReader,
+    )
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    class Spans(SpanExporter):
+        def export(self, spans: object) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    class Metrics(MetricExporter):
+        def export(
+            self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: object
+        ) -> MetricExportResult:
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return True
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: object) -> None:
+            pass
+
+    tracer_provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(sample)))
+    tracer_provider.add_span_processor(BatchSpanProcessor(Spans()))
+    meter_provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(Metrics(), 10_000)])
+    return Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
 
 
 @dataclass
@@ -127,7 +172,9 @@ async def run_raw(url: str, name: str, count: int, prefetch: int) -> Run:
     return Run(ended - started, ended - first, cpu)
 
 
-async def run_lily(url: str, name: str, count: int, concurrency: int, prefetch: int) -> Run:
+async def run_lily(
+    url: str, name: str, count: int, concurrency: int, prefetch: int, telemetry: Telemetry | bool = False
+) -> Run:
     """A lily_mongo at_least_once consumer with a no-op ``Json[Item]`` handler."""
     handled = 0
     first = 0.0
@@ -142,7 +189,7 @@ async def run_lily(url: str, name: str, count: int, concurrency: int, prefetch: 
         if handled == count:
             last.set()
 
-    consumer = Consumer(amqp_url=url, name="bench")
+    consumer = Consumer(amqp_url=url, name="bench", telemetry=telemetry)
     consumer.configure_queue(
         name, concurrency=concurrency, prefetch=prefetch, retry=RetryPolicy(max_retries=0, delays=())
     )
@@ -177,23 +224,30 @@ async def bench(args: argparse.Namespace) -> int:
         name=name, concurrency=args.concurrency, prefetch=args.prefetch, retry=RetryPolicy(max_retries=0, delays=())
     )
     prefetch = options.effective_prefetch
+    telemetry = sdk_telemetry(args.sample) if args.telemetry in ("on", "compare") else None
+    # The two contenders of a round: raw against lily, or (compare) lily off against lily on.
+    kinds = ("off", "on") if args.telemetry == "compare" else ("raw", "lily")
     connection = await aio_pika.connect(url)
     try:
         await declare_topology(connection, options)
         channel = await connection.channel(publisher_confirms=True)
         print(
             f"python {platform.python_version()} on {platform.machine()}; {args.messages} messages per run, "
-            f"{args.runs} rounds (order alternating); prefetch {prefetch}, lily concurrency {args.concurrency}"
+            f"{args.runs} rounds (order alternating); prefetch {prefetch}, lily concurrency {args.concurrency}; "
+            f"telemetry {args.telemetry}{f' (sampling {args.sample:g})' if args.telemetry != 'off' else ''}"
         )
-        runs: dict[str, list[Run]] = {"raw": [], "lily": []}
+        first, second = kinds
+        runs: dict[str, list[Run]] = {first: [], second: []}
         ratios: list[float] = []
         for round_ in range(1, args.runs + 1):
-            for kind in ("raw", "lily") if round_ % 2 else ("lily", "raw"):
+            for kind in (first, second) if round_ % 2 else (second, first):
                 await fill(channel, name, args.messages)
                 if kind == "raw":
                     run = await run_raw(url, name, args.messages, prefetch)
                 else:
-                    run = await run_lily(url, name, args.messages, args.concurrency, args.prefetch)
+                    on = kind == "on" or (kind == "lily" and args.telemetry == "on")
+                    chosen: Telemetry | bool = telemetry if on and telemetry is not None else False
+                    run = await run_lily(url, name, args.messages, args.concurrency, args.prefetch, chosen)
                 left = await ready(channel, name)
                 if left:
                     raise SystemExit(f"{left} messages left in the queue after a {kind} run")
@@ -203,20 +257,28 @@ async def bench(args: argparse.Namespace) -> int:
                     f"{args.messages / run.flowing:7.0f} msgs/s from the first delivery; "
                     f"CPU {run.cpu / args.messages * 1e6:6.1f} us/msg"
                 )
-            ratios.append(runs["raw"][-1].flowing / runs["lily"][-1].flowing)
-        for kind, label in (("raw", "raw aio-pika consume+ack"), ("lily", "lily_mongo at_least_once")):
+            ratios.append(runs[first][-1].flowing / runs[second][-1].flowing)
+        labels = {
+            "raw": "raw aio-pika consume+ack",
+            "lily": f"lily_mongo at_least_once (telemetry {args.telemetry})",
+            "off": "lily_mongo at_least_once, telemetry off",
+            "on": "lily_mongo at_least_once, telemetry on (SDK)",
+        }
+        for kind in kinds:
+            label = labels[kind]
             flowing = statistics.median(args.messages / r.flowing for r in runs[kind])
             total = statistics.median(args.messages / r.total for r in runs[kind])
             cpu = statistics.median(r.cpu / args.messages * 1e6 for r in runs[kind])
             print(f"{label}: median {flowing:7.0f} msgs/s ({total:.0f} incl. start-up), CPU {cpu:.1f} us/msg")
-        cpu_ratio = statistics.median(r.cpu for r in runs["raw"]) / statistics.median(r.cpu for r in runs["lily"])
-        print(f"CPU per message, raw/lily: {cpu_ratio:.2f}")
-        print(f"per-round ratios lily/raw: {' '.join(f'{r:.2f}' for r in ratios)}")
+        cpu_ratio = statistics.median(r.cpu for r in runs[first]) / statistics.median(r.cpu for r in runs[second])
+        print(f"CPU per message, {first}/{second}: {cpu_ratio:.2f}")
+        print(f"per-round ratios {second}/{first}: {' '.join(f'{r:.2f}' for r in ratios)}")
         ratio = statistics.median(ratios)
-        verdict = "meets" if ratio >= TARGET_RATIO else "BELOW"
+        target = TELEMETRY_TARGET if args.telemetry == "compare" else TARGET_RATIO
+        verdict = "meets" if ratio >= target else "BELOW"
         print(
-            f"throughput ratio lily/raw from the first delivery, median of rounds: {ratio:.2f} "
-            f"({verdict} the target of >= {TARGET_RATIO:g})"
+            f"throughput ratio {second}/{first} from the first delivery, median of rounds: {ratio:.2f} "
+            f"({verdict} the target of >= {target:g})"
         )
     finally:
         cleanup = await connection.channel()
@@ -232,6 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=7, help="rounds of one run of each consumer (default 7)")
     parser.add_argument("--prefetch", type=int, default=64, help="prefetch for both consumers (default 64)")
     parser.add_argument("--concurrency", type=int, default=32, help="lily handler concurrency (default 32)")
+    parser.add_argument(
+        "--telemetry",
+        choices=("off", "on", "compare"),
+        default="off",
+        help="lily's telemetry: off, on (SDK, discarding exporters), or compare off against on (default off)",
+    )
+    parser.add_argument(
+        "--sample", type=float, default=1.0, help="with telemetry on: the share of traces sampled (default 1: all)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     return asyncio.run(bench(args))

@@ -25,7 +25,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 try:
     import typer
@@ -42,6 +42,7 @@ from pymongo.errors import ConfigurationError, PyMongoError
 
 from . import inbox as inbox_records
 from ._connect import open_mongo, redact_url, scrub
+from ._logs import configure_logging
 from ._text import describe_value
 from .asyncapi import asyncapi_document
 from .dlq import DlqListing, list_dead_letters, replay_dead_letters
@@ -49,6 +50,9 @@ from .errors import ConfigError, LilyError, PublishError, TransportError
 from .inbox import InboxOptions
 from .lifecycle import Consumer
 from .plan import routes_of
+
+if TYPE_CHECKING:
+    from ._http import ProbeServer
 
 __all__ = ["ExitCode", "app", "main"]
 
@@ -246,7 +250,7 @@ def load_consumer(target: str) -> Consumer:
 
 
 def _consumer_urls(consumer: Consumer | None) -> str | None:
-    return getattr(consumer, "_amqp_url", None) if consumer is not None else None
+    return consumer.settings.amqp_url if consumer is not None else None
 
 
 # -- run, asyncapi, demo -----------------------------------------------------------------------------
@@ -256,23 +260,41 @@ def _consumer_urls(consumer: Consumer | None) -> str | None:
 def run(
     ctx: typer.Context,
     target: Annotated[str, typer.Argument(help="module:consumer (a Consumer or a factory returning one)")],
+    http_port: Annotated[
+        int | None,
+        typer.Option("--http-port", min=1, max=65535, help="Serve /healthz, /readyz and /metrics on this port."),
+    ] = None,
+    http_host: Annotated[str, typer.Option("--http-host", help="Address for --http-port.")] = "127.0.0.1",
+    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
+    log_format: Annotated[str, typer.Option("--log-format", help="text or json.")] = "text",
 ) -> None:
     """Run a consumer until SIGTERM/SIGINT (graceful); a second signal forces. Prints the shutdown report.
 
     Exit status: 0 after a graceful shutdown that succeeded, 1 after a failed or forced one, 2 on a bad
     target or plan, 3 when RabbitMQ or MongoDB cannot be reached.
     """
+    try:
+        configure_logging(log_level, log_format)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     consumer: Consumer | None = None
 
     async def main() -> int:
         assert consumer is not None
-        managed = await consumer.start()
-        uninstall = managed.install_signal_handlers()
-        err_console.print(f"[green]running[/] {consumer.name} ({len(managed.plan.queues)} queues); Ctrl-C to stop")
+        probes = await _start_probes(http_host, http_port) if http_port is not None else None
         try:
-            report = await managed.wait()
+            managed = await consumer.start()
+            if probes is not None:
+                probes.attach(managed)
+            uninstall = managed.install_signal_handlers()
+            err_console.print(f"[green]running[/] {consumer.name} ({len(managed.plan.queues)} queues); Ctrl-C to stop")
+            try:
+                report = await managed.wait()
+            finally:
+                uninstall()
         finally:
-            uninstall()
+            if probes is not None:
+                await probes.stop()
         console.print(report.render(), markup=False, highlight=False)
         # Non-zero when anything is unresolved or unobserved, and when the graceful
         # window did not suffice (a forced shutdown), so supervisors notice.
@@ -283,6 +305,22 @@ def run(
     with _reported(ctx, _consumer_urls(consumer), unreachable="is it running? Check the consumer's amqp_url"):
         code = asyncio.run(main())
     raise typer.Exit(code)
+
+
+async def _start_probes(host: str, port: int) -> ProbeServer:
+    """The /healthz, /readyz and /metrics server (the ``http`` extra), listening before the consumer starts."""
+    try:
+        from ._http import ProbeServer  # optional dependencies: imported only when asked for
+    except ModuleNotFoundError as exc:
+        err_console.print(f"[red]error:[/] --http-port needs the 'http' extra: pip install 'lily-mongo[http]' ({exc})")
+        raise typer.Exit(2) from exc
+    probes = ProbeServer(host, port)
+    try:
+        await probes.start()
+    except OSError as exc:
+        err_console.print(f"[red]error:[/] cannot listen on {host}:{port}: {exc.strerror}")
+        raise typer.Exit(2) from exc
+    return probes
 
 
 @app.command(epilog=EXIT_CODES)

@@ -37,7 +37,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +63,9 @@ if TYPE_CHECKING:
     from pymongo.asynchronous.database import AsyncDatabase
 
     from .extractors import RawDelivery
+    from .lease import Claim
     from .plan import HandlerRoute
+    from .telemetry import Telemetry
 
 __all__ = ["Inbox", "InboxOptions", "Invoke", "MongoScope", "inbox_stats"]
 
@@ -181,6 +183,8 @@ class MongoScope:
 class _Replay(Exception):
     """The attempt must be replayed in a fresh scope (transient error, or a commit not applied)."""
 
+    error_type = "transient_replay"  # what an attempt's span reports
+
 
 @dataclass(slots=True, eq=False)
 class _Lease:
@@ -203,8 +207,10 @@ class Inbox:
         *,
         owner_prefix: str,
         on_outbox_commit: Callable[[], None] | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self._client = client
+        self._telemetry = telemetry
         self._database = client[database]
         self._options = options
         self._records = self._database[options.records]
@@ -284,7 +290,12 @@ class Inbox:
         key = protocol.record_key(route.handler_id, event_id)
         owner = f"{self._owner_prefix}{next(self._owner_numbers)}"
         try:
-            record = await self._claim(key, route.handler_id, event_id, owner)
+            claiming: Awaitable[dict[str, Any]] = self._claim(key, route.handler_id, event_id, owner)
+            if self._telemetry is not None:
+                claiming = self._telemetry.traced(
+                    "inbox claim", claiming, describe=lambda found: _claim_attributes(protocol.read_claim(found, owner))
+                )
+            record = await claiming
         except PyMongoError as exc:
             # The database is unreachable or refused: infrastructure, not an application
             # failure. Requeue (bounded) without running the handler.
@@ -371,7 +382,14 @@ class Inbox:
             # afresh so a handler that mutated its payload cannot leak into the replay.
             first = payload if execution.attempts == 1 else NOT_DECODED
             try:
-                execution.result = await self._attempt(route, lease, execution, first, invoke)
+                attempt: Awaitable[PipelineResult] = self._attempt(route, lease, execution, first, invoke)
+                if self._telemetry is not None:
+                    numbers = {
+                        "lily.inbox.attempt": execution.attempts,
+                        "lily.inbox.replays": execution.transient_replays,
+                    }
+                    attempt = self._telemetry.traced("inbox attempt", attempt, numbers, _result_attributes)
+                execution.result = await attempt
                 return execution
             except _Deferral as deferral:
                 execution.result = deferral.result
@@ -423,6 +441,7 @@ class Inbox:
                 handler_id=route.handler_id,
                 max_body=self._options.outbox_max_body,
                 is_open=lambda: scope is not None and scope.is_open,
+                telemetry=self._telemetry,
             )
             scope = MongoScope(session, self._database, outbox)
             try:
@@ -435,7 +454,10 @@ class Inbox:
             if result.outcome is not Outcome.SUCCESS:
                 await self._abort(session)
                 return result
-            result = await self._commit(session, lease, execution)
+            committing: Awaitable[PipelineResult] = self._commit(session, lease, execution)
+            if self._telemetry is not None:
+                committing = self._telemetry.traced("inbox commit", committing, describe=_result_attributes)
+            result = await committing
             if result is _SUCCESS and outbox.written and self._on_outbox_commit is not None:
                 self._on_outbox_commit()
             return result
@@ -467,6 +489,13 @@ class Inbox:
                 discard_server_session(session)  # not committed (MongoDB aborts it): replay
                 raise _Replay(f"commit failed: {type(exc).__name__}") from exc
         execution.reconciliations += 1
+        reconciling: Awaitable[PipelineResult] = self._reconcile(session, lease)
+        if self._telemetry is not None:
+            reconciling = self._telemetry.traced("inbox reconcile", reconciling, describe=_result_attributes)
+        return await reconciling
+
+    async def _reconcile(self, session: AsyncClientSession, lease: _Lease) -> PipelineResult:
+        """An unknown commit result: retry the same commit (bounded), then read the record."""
         options = self._options
         for retry in range(options.commit_retries):
             delay = protocol.backoff(retry, base=options.backoff_base, cap=options.backoff_max, jitter=random.random())
@@ -494,9 +523,24 @@ class Inbox:
 class _Deferral(Exception):
     """An operation failed in a way that defers the delivery (carries the verdict)."""
 
+    error_type = "deferred"  # what an attempt's span reports
+
     def __init__(self, result: PipelineResult) -> None:
         super().__init__(result.reason)
         self.result = result
+
+
+def _claim_attributes(claim: Claim) -> Mapping[str, str | int]:
+    """What a claim span reports: how the claim ended and the event's deferrals so far."""
+    return {"lily.inbox.claim": claim.kind.value, "lily.inbox.deferrals": claim.deferrals}
+
+
+def _result_attributes(result: PipelineResult) -> Mapping[str, str | int]:
+    """What an attempt, commit or reconciliation span reports: its verdict and code."""
+    attributes: dict[str, str | int] = {"lily.inbox.verdict": result.outcome.value}
+    if result.code:
+        attributes["lily.failure.code"] = result.code
+    return attributes
 
 
 _STAT_COLUMNS = ("completed", "live_leases", "stale_leases", "outbox_pending", "outbox_published", "outbox_failed")

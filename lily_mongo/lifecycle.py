@@ -47,6 +47,7 @@ from .outgoing import OutgoingMessage
 from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions, RetryPolicy
 from .runtime import Runtime
 from .settlement import Terminal
+from .telemetry import Telemetry, resolve_telemetry
 from .topology import declare_topology, destination_options, prepare_destinations
 
 __all__ = ["Consumer", "ConsumerSettings", "ManagedConsumer", "QueueSettings", "ShutdownAction", "ShutdownReport"]
@@ -122,6 +123,7 @@ class ConsumerSettings:
     force_timeout: float
     inbox: InboxOptions
     owns_mongo_client: bool
+    telemetry: Telemetry | None = None
 
 
 class _Steps:
@@ -136,8 +138,19 @@ class _Steps:
             self.actions.append(
                 ShutdownAction(name, False, False, f"{type(exc).__name__}: {exc}"[:300], time.monotonic() - started)
             )
+            log.warning("shutdown step %s failed: %s", name, type(exc).__name__, extra={"step": name})
             return False
         self.actions.append(ShutdownAction(name, True, observed, None, time.monotonic() - started))
+        # Incomplete: for the drain, the graceful window did not settle everything; for the
+        # others, the dependency's termination was not observed.
+        log.log(
+            logging.INFO if observed else logging.WARNING,
+            "shutdown step %s: %s (%.3f s)",
+            name,
+            "complete" if observed else "incomplete",
+            time.monotonic() - started,
+            extra={"step": name},
+        )
         return observed
 
 
@@ -179,7 +192,10 @@ class Consumer:
 
     ``mongo_client`` is caller-owned unless ``owns_mongo_client=True``; it is
     never closed otherwise. ``database`` holds the inbox, lease and outbox
-    collections and is what ``MongoScope.database`` returns.
+    collections and is what ``MongoScope.database`` returns. ``telemetry``:
+    traces and metrics through the OpenTelemetry API, on by default when it is
+    installed (``False`` turns them off; a :class:`~lily_mongo.telemetry.Telemetry`
+    chooses providers), see ``docs/observability.md``.
     """
 
     def __init__(
@@ -194,6 +210,7 @@ class Consumer:
         force_timeout: float = 5.0,
         inbox: InboxOptions | None = None,
         owns_mongo_client: bool = False,
+        telemetry: bool | Telemetry = True,
     ) -> None:
         check_amqp_url("amqp_url", amqp_url)
         if mongo_client is not None and not isinstance(mongo_client, AsyncMongoClient):
@@ -218,6 +235,7 @@ class Consumer:
             force_timeout=check_seconds("force_timeout", force_timeout, low=0, high=3600, low_inclusive=False),
             inbox=inbox or InboxOptions(),
             owns_mongo_client=owns_mongo_client,
+            telemetry=resolve_telemetry(telemetry),
         )
         self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
         self._outgoing: list[OutgoingMessage] = []
@@ -369,6 +387,7 @@ class ManagedConsumer:
         self._graceful_timeout = settings.graceful_timeout
         self._force_timeout = settings.force_timeout
         self._supervisor: asyncio.Task[ShutdownReport] = asyncio.get_running_loop().create_future()  # type: ignore[assignment]
+        self._unwatch: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return f"<ManagedConsumer name={self._settings.name!r} state={self._state.value}>"
@@ -385,6 +404,17 @@ class ManagedConsumer:
         """The lifecycle state: starting, running, draining, forcing or stopped."""
         return self._state.value
 
+    @property
+    def ready(self) -> bool:
+        """True while running with every consuming channel and the handoff channel open
+        (False while starting, reconnecting, draining or stopped): a readiness probe."""
+        return self._state is State.RUNNING and self._runtime is not None and self._runtime.channels_open()
+
+    @property
+    def telemetry(self) -> Telemetry | None:
+        """The telemetry this consumer reports to, or None when it is off."""
+        return self._settings.telemetry
+
     async def _start(self) -> None:
         settings = self._settings
         self._connection = await connect_amqp(settings.amqp_url)
@@ -396,7 +426,10 @@ class ManagedConsumer:
             inbox_options = settings.inbox
             database = settings.mongo_client[settings.database]
             self._relay = OutboxRelay(
-                database[inbox_options.outbox], inbox_options.relay, f"{settings.name[:64]}:{uuid.uuid4().hex[:12]}"
+                database[inbox_options.outbox],
+                inbox_options.relay,
+                f"{settings.name[:64]}:{uuid.uuid4().hex[:12]}",
+                telemetry=settings.telemetry,
             )
             self._inbox = Inbox(
                 settings.mongo_client,
@@ -404,6 +437,7 @@ class ManagedConsumer:
                 inbox_options,
                 owner_prefix=settings.name,
                 on_outbox_commit=self._relay.wake,
+                telemetry=settings.telemetry,
             )
             try:
                 await self._inbox.prepare()
@@ -412,8 +446,16 @@ class ManagedConsumer:
                 raise TransportError(f"MongoDB refused the inbox set-up: {type(exc).__name__}: {exc}"[:500]) from exc
             self._inbox.start(self._tasks)
         self._runtime = Runtime(
-            self.plan, self._connection, self._tasks, inbox=self._inbox, confirm_timeout=settings.confirm_timeout
+            self.plan,
+            self._connection,
+            self._tasks,
+            inbox=self._inbox,
+            confirm_timeout=settings.confirm_timeout,
+            telemetry=settings.telemetry,
         )
+        if settings.telemetry is not None:  # observable instruments read the snapshot when collected
+            names = tuple(self.plan.queues)
+            self._unwatch = settings.telemetry.watch(lambda: (self.snapshot(), names))
         if isinstance(self._connection, aio_pika.abc.AbstractRobustConnection):
             runtime = self._runtime
             self._connection.reconnect_callbacks.add(lambda *_: runtime.on_reconnect())
@@ -436,6 +478,8 @@ class ManagedConsumer:
             await self._connection.close()
         if self._settings.owns_mongo_client and self._settings.mongo_client is not None:
             await self._settings.mongo_client.close()
+        if self._unwatch is not None:
+            self._unwatch()
         self._state = State.STOPPED
 
     # -- observers ----------------------------------------------------------------------
@@ -591,6 +635,8 @@ class ManagedConsumer:
             await steps.run("mongo_client_close", mongo_close)
         settled: collections.Counter[str] = runtime.settled_during_shutdown
         unresolved = settled.get(Terminal.UNRESOLVED.value, 0)
+        if self._unwatch is not None:
+            self._unwatch()
         self._state = State.STOPPED
         self._on_stopped()
         succeeded = unresolved == 0 and all(a.ok and a.observed for a in steps.actions if a.name not in ("drain",))

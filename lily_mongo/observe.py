@@ -108,6 +108,7 @@ class QueueCounters:
     unresolved: int = 0
     abandoned: int = 0
     received: int = 0
+    handoff_failures: int = 0  # retry/DLQ copies whose publish failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,7 @@ class QueueSnapshot:
     deferrals: int
     unresolved: int
     abandoned: int
+    handoff_failures: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from pymongo.asynchronous.client_session import AsyncClientSession
     from pymongo.asynchronous.collection import AsyncCollection
 
+    from .telemetry import Telemetry
+
 __all__ = ["Outbox", "OutboxRelay", "RelayOptions", "Send"]
 
 log = logging.getLogger("lily_mongo")
@@ -54,7 +56,7 @@ def utcnow() -> datetime.datetime:
 class Outbox(TypedPublishing):
     """Outgoing messages of one attempt, written in its transaction. Valid for that attempt only."""
 
-    __slots__ = ("_collection", "_handler_id", "_is_open", "_max_body", "_session", "written")
+    __slots__ = ("_collection", "_handler_id", "_is_open", "_max_body", "_session", "_telemetry", "written")
 
     def __init__(
         self,
@@ -64,8 +66,10 @@ class Outbox(TypedPublishing):
         handler_id: str,
         max_body: int,
         is_open: Callable[[], bool],
+        telemetry: Telemetry | None = None,
     ) -> None:
         self._collection = collection
+        self._telemetry = telemetry
         self._session = session
         self._handler_id = handler_id
         self._max_body = max_body
@@ -87,6 +91,13 @@ class Outbox(TypedPublishing):
         """Stage a message with a custom content contract; it is published after the commit."""
         if not self._is_open():
             raise ScopeClosedError("the outbox of a finished attempt cannot be used")
+        if self._telemetry is not None and "traceparent" not in options:
+            # The record keeps the attempt's trace context: the relay publishes in that trace.
+            context = self._telemetry.trace_headers()
+            if "traceparent" in context:
+                options["traceparent"] = context["traceparent"]
+                if "tracestate" in context:
+                    options["tracestate"] = context["tracestate"]
         publication = prepare_publication(
             content, routing_key, payload, version=version, max_body=self._max_body, **options
         )
@@ -188,8 +199,11 @@ class OutboxRelay:
     per :data:`UNROUTABLE_WARNING_INTERVAL` seconds.
     """
 
-    def __init__(self, collection: AsyncCollection[Any], options: RelayOptions, owner: str) -> None:
+    def __init__(
+        self, collection: AsyncCollection[Any], options: RelayOptions, owner: str, *, telemetry: Telemetry | None = None
+    ) -> None:
         self._collection = collection
+        self._telemetry = telemetry
         self._options = options
         self._owner = owner
         self._wake = asyncio.Event()
@@ -312,13 +326,24 @@ class OutboxRelay:
     async def _publish(self, record: dict[str, Any], send: Send) -> None:
         fence = {"_id": record.get("_id"), "claim_token": record.get("claim_token")}
         try:
-            await send(
+            publish = functools.partial(
+                send,
                 exchange=record["exchange"],
                 routing_key=record["routing_key"],
                 body=bytes(record["body"]),
-                headers=record["headers"],
                 content_type=record.get("content_type"),
             )
+            if self._telemetry is None:
+                await publish(headers=record["headers"])
+            else:  # a PRODUCER span, child of the context the record stored (the attempt that wrote it)
+                await self._telemetry.produce(
+                    lambda headers: publish(headers=headers),
+                    exchange=record["exchange"],
+                    routing_key=record["routing_key"],
+                    headers=record["headers"],
+                    operation="relay",
+                    enqueued_at=record.get("created_at"),
+                )
         except Exception as exc:
             # Any failure of one record (broker refusal, a record that cannot be encoded
             # or is malformed) is a failed attempt of that record; the relay goes on.

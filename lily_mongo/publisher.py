@@ -9,6 +9,7 @@ the same whether it was published directly or relayed.
 from __future__ import annotations
 
 import enum
+import functools
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from .envelope import (
 )
 from .errors import ConfigError, EnvelopeError, LilyError
 from .plan import check_name
+from .telemetry import Telemetry, resolve_telemetry
 
 __all__ = [
     "BINARY",
@@ -198,6 +200,8 @@ class Publisher(TypedPublishing):
 
     Either give ``amqp_url`` (the publisher owns its connection) or an open
     aio-pika ``channel`` created with ``publisher_confirms=True`` (caller-owned).
+    With ``telemetry`` on (the default when ``opentelemetry-api`` is installed) each
+    publish is a ``PRODUCER`` span whose ``traceparent`` the message carries.
     """
 
     def __init__(
@@ -206,6 +210,7 @@ class Publisher(TypedPublishing):
         *,
         channel: aio_pika.abc.AbstractChannel | None = None,
         confirm_timeout: float = 10.0,
+        telemetry: bool | Telemetry = True,
     ) -> None:
         if (amqp_url is None) == (channel is None):
             raise ConfigError("Publisher needs exactly one of amqp_url or channel")
@@ -218,6 +223,7 @@ class Publisher(TypedPublishing):
         self._channel = channel
         self._connection: aio_pika.abc.AbstractConnection | None = None
         self._confirm_timeout = confirm_timeout
+        self._telemetry = resolve_telemetry(telemetry)
         self._state = _State.OPEN if channel is not None else _State.NEW
 
     def __repr__(self) -> str:
@@ -257,15 +263,26 @@ class Publisher(TypedPublishing):
         if self._state is not _State.OPEN or self._channel is None:
             raise LilyError(f"Publisher is {self._state.value}; open it first")
         underlay = await self._channel.get_underlay_channel()
-        await basic_publish(
+        publish = functools.partial(
+            basic_publish,
             underlay,
             exchange=publication.exchange,
             routing_key=publication.routing_key,
             body=publication.body,
-            headers=publication.headers,
             content_type=publication.content_type,
             timeout=self._confirm_timeout,
         )
+        if self._telemetry is None:
+            await publish(headers=publication.headers)
+        else:
+            await self._telemetry.produce(
+                lambda headers: publish(headers=headers),
+                exchange=publication.exchange,
+                routing_key=publication.routing_key,
+                headers=publication.headers,
+                operation="publish",
+                attributes={"messaging.message.id": str(publication.event_id)},
+            )
         return publication.event_id
 
     async def publish[T](

@@ -64,6 +64,7 @@ from .settlement import (
 if TYPE_CHECKING:
     from .extractors import RawDelivery
     from .inbox import Inbox, MongoScope
+    from .telemetry import DeliveryTrace, Telemetry
 
 __all__ = ["Handoff", "Phase", "Received", "Runtime"]
 
@@ -71,6 +72,9 @@ log = logging.getLogger("lily_mongo")
 
 _COUNTER_MEMORY = 4096
 _UNRESOLVED = Terminal.UNRESOLVED.value
+_ACKED = Terminal.ACKED.value
+# Terminal outcomes an operator must hear about (one line each); the others are logged at DEBUG.
+_WARNED = frozenset({Terminal.DEAD_LETTERED.value, Terminal.BROKER_DEAD_LETTERED.value, _UNRESOLVED})
 _REASON_BYTES = BOUNDS.failure_reason_bytes
 
 
@@ -138,6 +142,7 @@ class QueueRuntime:
             deferrals=c.deferrals,
             unresolved=c.unresolved,
             abandoned=c.abandoned,
+            handoff_failures=c.handoff_failures,
         )
 
 
@@ -161,6 +166,7 @@ class _Delivery:
     finished: bool = False
     settle_task: asyncio.Task[Any] | None = None
     failure_key: bytes = b""
+    trace: DeliveryTrace | None = None  # set only while telemetry is on
 
     # -- settlement effects -------------------------------------------------------------------
 
@@ -170,10 +176,22 @@ class _Delivery:
     async def handoff(self, step: Step, budget: Budget) -> bool:
         qr = self.qr
         try:
-            await self.runtime.publish_handoff(qr, self.message, self.envelope, step, budget)
+            await self.runtime.publish_handoff(qr, self.message, self.envelope, step, budget, trace=self.trace)
         except PublishError as exc:
             to_dlq = step.kind is StepKind.PUBLISH_DLQ
-            log.warning("handoff to %s failed: %s", "the DLQ" if to_dlq else "a retry bucket", exc.kind)
+            qr.counters.handoff_failures += 1
+            event_id = self.envelope.event_id if self.envelope else None
+            log.warning(
+                "handoff to %s failed: %s (queue=%s handler=%s event_id=%s outcome=%s code=%s)",
+                "the DLQ" if to_dlq else "a retry bucket",
+                exc.kind,
+                qr.options.name,
+                self.handler_id,
+                event_id,
+                "handoff_failed",
+                step.code,
+                extra=_log_fields(qr.options.name, self.handler_id, event_id, "handoff_failed", step.code),
+            )
             _bump(qr.handoff_failures, self.failure_key)
             if to_dlq and exc.kind == "unroutable":
                 qr.dlq_unroutable = True
@@ -221,6 +239,7 @@ class Runtime:
         inbox: Inbox | None,
         confirm_timeout: float,
         handoff: Handoff | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         """``connection`` is the AMQP connection to consume from; None for an in-process
         transport, which feeds :meth:`deliver` and passes its own ``handoff``."""
@@ -230,6 +249,7 @@ class Runtime:
         self.tasks = tasks
         self.inbox = inbox
         self.confirm_timeout = confirm_timeout
+        self.telemetry = telemetry
         self.queues = {name: QueueRuntime(i, opts) for i, (name, opts) in enumerate(plan.queues.items())}
         self.observations = ObservationLog()
         self.handoff_channel: aio_pika.abc.AbstractChannel | None = None
@@ -324,6 +344,7 @@ class Runtime:
         if transport is not None and transport is not self._transport:
             self._transport = transport
             self.generation += 1
+            log.info("AMQP connection re-established: transport generation %d", self.generation)
 
     def _callback(self, qr: QueueRuntime) -> Callable[[aiormq.abc.DeliveredMessage], Coroutine[Any, Any, None]]:
         async def on_message(delivered: aiormq.abc.DeliveredMessage) -> None:
@@ -437,6 +458,11 @@ class Runtime:
                 await channel.close()
         return all(channel.is_closed for channel in channels)
 
+    def channels_open(self) -> bool:
+        """True while every consuming channel and the handoff channel is open."""
+        channels = [qr.channel for qr in self.queues.values()] + [self.handoff_channel]
+        return all(channel is not None and not channel.is_closed for channel in channels)
+
     def unsettled(self) -> set[asyncio.Task[Any]]:
         """Delivery tasks whose delivery has not reached a terminal outcome yet (zombies excluded)."""
         pending: set[asyncio.Task[Any]] = set()
@@ -463,11 +489,16 @@ class Runtime:
         qr = state.qr
         step: Step | None = None
         evidence: Evidence | None = None
+        telemetry = self.telemetry
         try:
+            if telemetry is not None:
+                state.trace = telemetry.delivery_started(qr.options.name, state.message.headers)
             prepared = prepare(self.plan, qr.options, state.message)
             if isinstance(prepared, Prepared):
                 state.envelope, state.handler_id = prepared.delivery.envelope, prepared.route.handler_id
                 state.execution = await self._execute_under_deadline(state, prepared)
+                if state.trace is not None:  # the execution started at its deadline less the queue's deadline
+                    state.trace.executed(state.deadline_at - qr.options.deadline)
                 if state.dropped:
                     return  # the drop path settles it; this late result is discarded
             else:
@@ -477,6 +508,8 @@ class Runtime:
         finally:
             if not state.dropped:
                 self._finish(state, step, evidence)
+            if state.trace is not None:
+                state.trace.detach()
 
     async def _execute_under_deadline(self, state: _Delivery, prepared: Prepared) -> Execution:
         """Run the handler in this task; at the cutoff the sweeper cancels it, and after the
@@ -555,7 +588,14 @@ class Runtime:
         return await settle(result, budget, state)
 
     async def publish_handoff(
-        self, qr: QueueRuntime, message: Received, envelope: Envelope | None, step: Step, budget: Budget
+        self,
+        qr: QueueRuntime,
+        message: Received,
+        envelope: Envelope | None,
+        step: Step,
+        budget: Budget,
+        *,
+        trace: DeliveryTrace | None = None,
     ) -> None:
         """Publish the retry or DLQ copy of ``message`` on the confirming handoff channel."""
         options = qr.options
@@ -567,6 +607,16 @@ class Runtime:
             routing_key = options.dlq_name
             retry_count = envelope.retry_count if envelope is not None else None
         headers = handoff_headers(message.headers, step, retry_count=retry_count, failed_queue=options.name)
+        if trace is not None:  # a PRODUCER span, child of the delivery's, whose traceparent the copy carries
+            handoff = self._handoff
+            await trace.handoff(
+                lambda traced: handoff(message, routing_key, traced),
+                routing_key,
+                headers,
+                dead_letter=step.kind is StepKind.PUBLISH_DLQ,
+                code=step.code,
+            )
+            return
         await self._handoff(message, routing_key, headers)
 
     async def _handoff_on_channel(self, message: Received, routing_key: str, headers: Mapping[str, Any]) -> None:
@@ -606,12 +656,14 @@ class Runtime:
             reason = "not settled: settlement authority was lost or revoked"
         else:
             reason = execution.result.reason
+        event_id = state.envelope.event_id if state.envelope else None
+        code = (step.code if step is not None else None) or execution.result.code
         self.observations.record(
             queue=qr.options.name,
             handler_id=state.handler_id,
-            event_id=state.envelope.event_id if state.envelope else None,
+            event_id=event_id,
             outcome=terminal,
-            code=(step.code if step is not None else None) or execution.result.code,
+            code=code,
             reason=truncate_utf8(reason, _REASON_BYTES),
             handoff_confirmed=evidence.handoff is HandoffState.CONFIRMED,
             ack_sent=evidence.settled_with is StepKind.ACK and evidence.settle is SettleState.SENT,
@@ -622,6 +674,10 @@ class Runtime:
             received_at=state.received_at,
             duration=time.monotonic() - state.started,
         )
+        if state.trace is not None:
+            state.trace.finish(state.handler_id, event_id, terminal, code, execution)
+        if terminal != _ACKED or log.isEnabledFor(logging.DEBUG):
+            _log_terminal(qr.options.name, state.handler_id, event_id, terminal, code)
 
     # -- deadlines ----------------------------------------------------------------------
 
@@ -678,6 +734,33 @@ def _bump(counts: collections.OrderedDict[bytes, int], key: bytes) -> int:
     while len(counts) > _COUNTER_MEMORY:
         counts.popitem(last=False)
     return counts[key]
+
+
+def _log_fields(queue: str, handler_id: str | None, event_id: object, outcome: str, code: str | None) -> dict[str, Any]:
+    """The structured fields of a delivery's log line (read by JSON formatters); never payloads."""
+    return {
+        "queue": queue,
+        "handler": handler_id,
+        "event_id": str(event_id) if event_id is not None else None,
+        "outcome": outcome,
+        "code": code,
+    }
+
+
+def _log_terminal(queue: str, handler_id: str | None, event_id: object, outcome: str, code: str | None) -> None:
+    """One line per delivery: WARNING for dead letters and unresolved outcomes, DEBUG for the rest."""
+    level = logging.WARNING if outcome in _WARNED else logging.DEBUG
+    if log.isEnabledFor(level):
+        log.log(
+            level,
+            "delivery %s: queue=%s handler=%s event_id=%s code=%s",
+            outcome,
+            queue,
+            handler_id,
+            event_id,
+            code,
+            extra=_log_fields(queue, handler_id, event_id, outcome, code),
+        )
 
 
 def _channel_alive(message: Received) -> bool:

@@ -1,0 +1,144 @@
+"""Telemetry's CPU per delivery in the engine alone: no broker, no network, so the figure is steady.
+
+Run: ``python benchmarks/bench_telemetry.py [--messages 2500] [--rounds 7]``
+
+A ``Runtime`` fed through its in-process seam (``Runtime.deliver``) runs an
+at-least-once no-op ``Json[Item]`` handler over prepared messages whose ACK
+does nothing, and the process CPU time per delivery is measured for:
+
+* telemetry off (``telemetry=False``: the hooks cost one ``is None`` check each);
+* the OpenTelemetry API with no SDK (no-op providers: lily's own hook work);
+* the SDK's metrics with no tracing (two histogram records per delivery);
+* the SDK with 10 % of traces sampled, and with every trace sampled (batch span
+  processor and periodic metric reader whose exporters discard everything).
+
+Variants alternate within each round; the medians are printed with their
+difference from "off". ``bench_throughput.py --telemetry compare`` measures the
+same through the broker, where the engine is a part of the cost per message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pydantic
+from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.trace import NoOpTracerProvider
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_throughput import sdk_telemetry
+
+from lily_mongo import Consumer, Json, RetryPolicy, queue
+from lily_mongo._tasks import TaskSet
+from lily_mongo.publisher import JSON, prepare_publication
+from lily_mongo.runtime import Runtime
+from lily_mongo.telemetry import Telemetry
+
+QUEUE = "bench.telemetry"
+
+
+class Item(pydantic.BaseModel):
+    id: int
+    sku: str
+    qty: int
+
+
+class _Channel:
+    is_closed = False
+
+
+class Message:
+    """A received delivery whose settlement does nothing (the engine's ``Received``)."""
+
+    content_type = "application/json"
+    redelivered = False
+    routing_key = QUEUE
+    exchange = ""
+    message_id = None
+    channel = _Channel()
+
+    def __init__(self, headers: dict[str, Any], body: bytes) -> None:
+        self.headers = headers
+        self.body = body
+
+    async def ack(self) -> None:
+        pass
+
+    async def nack(self, *, requeue: bool = True) -> None:
+        pass
+
+    async def reject(self, *, requeue: bool = False) -> None:
+        pass
+
+
+@queue(QUEUE, version=1, content="json", guarantee="at_least_once")
+async def handle(item: Json[Item]) -> None:
+    pass
+
+
+def messages(count: int) -> list[Message]:
+    out = []
+    for i in range(count):
+        publication = prepare_publication(JSON, QUEUE, {"id": i, "sku": f"SKU-{i % 97}", "qty": 1}, version=1)
+        out.append(Message(dict(publication.headers), publication.body))
+    return out
+
+
+async def cpu_per_delivery(telemetry: Telemetry | None, batch: list[Message]) -> float:
+    consumer = Consumer(amqp_url="amqp://unused/", name="bench", telemetry=False)
+    consumer.configure_queue(QUEUE, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=0, delays=()))
+    consumer.include(handle)
+    runtime = Runtime(consumer.plan(), None, TaskSet(), inbox=None, confirm_timeout=1.0, telemetry=telemetry)
+    runtime.open_in_process()
+    for message in batch[:200]:  # warm-up
+        await runtime.deliver(QUEUE, message)
+    started = time.process_time()
+    for message in batch[200:]:
+        await runtime.deliver(QUEUE, message)
+    return (time.process_time() - started) / (len(batch) - 200) * 1e6
+
+
+async def bench(args: argparse.Namespace) -> int:
+    variants: dict[str, Telemetry | None] = {
+        "off": None,
+        "API, no SDK (no-op providers)": Telemetry(
+            tracer_provider=NoOpTracerProvider(), meter_provider=NoOpMeterProvider()
+        ),
+        "SDK metrics, no tracing": Telemetry(
+            tracer_provider=NoOpTracerProvider(), meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()])
+        ),
+        "SDK, 10 % of traces sampled": sdk_telemetry(0.1),
+        "SDK, every trace sampled": sdk_telemetry(1.0),
+    }
+    batch = messages(args.messages + 200)
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, telemetry in variants.items():
+            results[name].append(await cpu_per_delivery(telemetry, batch))
+    base = statistics.median(results["off"])
+    print(f"engine CPU per delivery, {args.messages} deliveries x {args.rounds} rounds (medians; min in brackets)")
+    for name, values in results.items():
+        median = statistics.median(values)
+        print(f"  {name:<32} {median:6.1f} us (+{median - base:5.1f})  [{min(values):.1f}]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--messages", type=int, default=2500, help="deliveries per measurement (default 2500)")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds of every variant (default 7)")
+    return asyncio.run(bench(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

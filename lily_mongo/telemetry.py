@@ -1,0 +1,586 @@
+"""Traces and metrics through the OpenTelemetry API (``docs/observability.md``).
+
+When ``opentelemetry-api`` is importable (the ``otel`` extra), a consumer and a
+publisher use the globally configured ``TracerProvider`` and ``MeterProvider``
+with no further set-up; ``Consumer(..., telemetry=False)`` turns it off, and
+``telemetry=Telemetry(tracer_provider=..., meter_provider=...)`` chooses other
+providers. Without the API, or turned off, the engine holds ``None`` and each
+hook point costs one ``is None`` check.
+
+What is emitted follows the OpenTelemetry messaging semantic conventions:
+
+* one ``CONSUMER`` span per delivery, ``process <queue>``, continuing the
+  delivery's W3C ``traceparent``/``tracestate`` (a new trace when absent or
+  invalid), with the handler, the event id, the terminal outcome and the
+  failure code; error status for dead letters and unresolved outcomes;
+* ``INTERNAL`` child spans for the inbox steps (``inbox claim``, ``inbox
+  attempt`` per attempt, ``inbox commit``, ``inbox reconcile``);
+* a ``PRODUCER`` span for every publish (:class:`~lily_mongo.Publisher`, retry
+  and DLQ hand-offs, the outbox relay) that writes its own ``traceparent`` into
+  the message. An outbox record stores the ``traceparent`` of the attempt that
+  wrote it, and the relay's span is that context's child: the relayed event
+  stays in the trace of the delivery that caused it;
+* histograms recorded per delivery (``messaging.process.duration``,
+  ``lily.handler.duration``, ``lily.outbox.relay.lag``) and observable
+  instruments that read the consumer's snapshot when collected (deliveries by
+  queue and outcome, replays, deferrals, reconciliations, hand-off failures,
+  in-flight deliveries, permits, outbox pending and failed).
+
+Attributes never carry payloads, header values other than the trace context,
+credentials or connection strings. Metric attributes are the queue and the
+outcome only: event ids stay on spans.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+import itertools
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .envelope import TRACEPARENT_HEADER, TRACESTATE_HEADER, validate_envelope
+from .errors import ConfigError, EnvelopeError, ErrorCode
+from .observe import Snapshot
+
+try:
+    from opentelemetry import context as otel_context
+    from opentelemetry import metrics as otel_metrics
+    from opentelemetry import trace as otel_trace
+    from opentelemetry.propagators.textmap import Getter
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    AVAILABLE = True
+except ModuleNotFoundError:  # pragma: no cover - exercised only without the otel extra
+    AVAILABLE = False
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
+    from opentelemetry.trace import Span, TracerProvider
+
+    from .settlement import Execution
+
+__all__ = ["AVAILABLE", "DeliveryTrace", "HistogramData", "Telemetry", "resolve_telemetry"]
+
+SCOPE = "lily_mongo"
+SYSTEM = "rabbitmq"
+# Seconds. The messaging conventions' advisory boundaries, with finer steps below 5 ms:
+# a delivery of a no-op handler settles in well under a millisecond.
+DURATION_BUCKETS: tuple[float, ...] = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    30.0,
+    60.0,
+)
+LAG_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+# Terminal outcomes whose span ends with error status (SPEC section 3: the delivery
+# failed for good, or its fate is unknown).
+ERROR_OUTCOMES = frozenset({"dead_lettered", "broker_dead_lettered", "unresolved"})
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramData:
+    """One histogram series, cumulative since start: bucket upper bounds and counts, sum, count."""
+
+    labels: tuple[tuple[str, str], ...]
+    bounds: tuple[float, ...]
+    buckets: tuple[int, ...]  # per bound, then the overflow bucket (not cumulative)
+    total: float
+    count: int
+
+
+class _Histogram:
+    """A fixed-bucket histogram per label set, kept in process for the Prometheus exposition
+    (``lily-mongo run --http-port``), which cannot read the OpenTelemetry SDK's aggregates."""
+
+    __slots__ = ("bounds", "description", "name", "series")
+
+    def __init__(self, name: str, description: str, bounds: tuple[float, ...]) -> None:
+        self.name = name
+        self.description = description
+        self.bounds = bounds
+        self.series: dict[tuple[tuple[str, str], ...], list[Any]] = {}
+
+    def record(self, labels: tuple[tuple[str, str], ...], value: float) -> None:
+        series = self.series.get(labels)
+        if series is None:
+            series = self.series[labels] = [[0] * (len(self.bounds) + 1), 0.0, 0]
+        series[0][bisect.bisect_left(self.bounds, value)] += 1
+        series[1] += value
+        series[2] += 1
+
+    def data(self) -> list[HistogramData]:
+        return [
+            HistogramData(labels, self.bounds, tuple(counts), total, count)
+            for labels, (counts, total, count) in list(self.series.items())
+        ]
+
+
+class _HeaderGetter:
+    """Reads trace headers from an AMQP header table: text values only (a byte-array or
+    numeric ``traceparent`` is invalid, and the propagator then starts a new trace)."""
+
+    def get(self, carrier: Mapping[str, Any], key: str) -> list[str] | None:
+        value = carrier.get(key)
+        return [value] if type(value) is str else None
+
+    def keys(self, carrier: Mapping[str, Any]) -> list[str]:
+        return list(carrier)
+
+
+if AVAILABLE:
+    _GETTER: Getter[Mapping[str, Any]] = _HeaderGetter()  # type: ignore[assignment]
+    # The W3C format is the message contract (SPEC sections 2 and 4 bound exactly these two
+    # headers), so it is used whatever global propagator the application configured.
+    _PROPAGATOR = TraceContextTextMapPropagator()
+
+
+SnapshotSource = Callable[[], tuple[Snapshot, tuple[str, ...]]]
+"""Returns a consumer's snapshot and its queue names in plan order (``QueueSnapshot.queue_index``)."""
+
+
+class _Instruments:
+    """The instruments of one meter provider, created once: OpenTelemetry keeps instruments
+    per provider and name, so every :class:`Telemetry` on one provider shares them."""
+
+    def __init__(self, provider: MeterProvider) -> None:
+        meter = provider.get_meter(SCOPE)
+        self.sources: dict[int, SnapshotSource] = {}
+        self.keys = itertools.count()
+        self.process_duration = meter.create_histogram(
+            "messaging.process.duration",
+            unit="s",
+            description="Duration of processing a delivery, from its receipt to its terminal settlement step.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self.handler_duration = meter.create_histogram(
+            "lily.handler.duration",
+            unit="s",
+            description="Duration of a delivery's execution: handler, middleware and inbox attempts.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self.relay_lag = meter.create_histogram(
+            "lily.outbox.relay.lag",
+            unit="s",
+            description="Seconds from an outbox record's creation to its publisher confirm.",
+            explicit_bucket_boundaries_advisory=LAG_BUCKETS,
+        )
+        self.sent = meter.create_counter(
+            "messaging.client.sent.messages",
+            unit="{message}",
+            description="Messages published and confirmed (publisher, hand-offs and outbox relay).",
+        )
+        per_queue = (
+            ("messaging.client.consumed.messages", "{message}", "Deliveries received.", "received"),
+            ("lily.inbox.replays", "{replay}", "Transient-error replays of inbox attempts.", "transient_replays"),
+            ("lily.inbox.reconciliations", "{reconciliation}", "Commit-result reconciliations.", "reconciliations"),
+            ("lily.deferrals", "{deferral}", "Deferred deliveries (bounded requeues).", "deferrals"),
+            ("lily.handoff.failures", "{failure}", "Retry or DLQ hand-off publishes that failed.", "handoff_failures"),
+        )
+        for name, unit, description, field_name in per_queue:
+            meter.create_observable_counter(
+                name, callbacks=[self._per_queue(field_name)], unit=unit, description=description
+            )
+        meter.create_observable_counter(
+            "lily.deliveries",
+            callbacks=[self._outcomes],
+            unit="{delivery}",
+            description="Deliveries by queue and terminal outcome.",
+        )
+        for name, unit, description, field_name in (
+            ("lily.deliveries.in_flight", "{delivery}", "Deliveries holding a permit now.", "in_flight"),
+            ("lily.deliveries.buffered", "{delivery}", "Deliveries waiting in the local buffer.", "buffered"),
+            ("lily.permits", "{permit}", "Admission permits (handler concurrency).", "permits"),
+        ):
+            meter.create_observable_up_down_counter(
+                name, callbacks=[self._per_queue(field_name)], unit=unit, description=description
+            )
+        meter.create_observable_up_down_counter(
+            "lily.outbox.pending",
+            callbacks=[self._outbox("outbox_pending")],
+            unit="{record}",
+            description="Outbox records waiting for the relay (as of its last pass).",
+        )
+        meter.create_observable_up_down_counter(
+            "lily.outbox.failed",
+            callbacks=[self._outbox("outbox_failed")],
+            unit="{record}",
+            description="Outbox records parked as failed.",
+        )
+
+    def _snapshots(self) -> Iterator[tuple[Snapshot, tuple[str, ...]]]:
+        # Collection may run on a metric reader's thread: a snapshot copies plain ints
+        # and dicts under the GIL, and the source list is copied before iterating.
+        for source in list(self.sources.values()):
+            yield source()
+
+    def _per_queue(self, field_name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            totals: dict[str, int] = {}
+            for snapshot, names in self._snapshots():
+                for queue in snapshot.queues:
+                    name = names[queue.queue_index]
+                    totals[name] = totals.get(name, 0) + int(getattr(queue, field_name))
+            return [
+                otel_metrics.Observation(value, {"messaging.system": SYSTEM, "messaging.destination.name": name})
+                for name, value in totals.items()
+            ]
+
+        return observe
+
+    def _outcomes(self, _options: CallbackOptions) -> Iterable[Observation]:
+        totals: dict[tuple[str, str], int] = {}
+        for snapshot, names in self._snapshots():
+            for queue in snapshot.queues:
+                for outcome, count in queue.outcomes.items():
+                    key = (names[queue.queue_index], outcome)
+                    totals[key] = totals.get(key, 0) + count
+        return [
+            otel_metrics.Observation(
+                value, {"messaging.system": SYSTEM, "messaging.destination.name": name, "lily.outcome": outcome}
+            )
+            for (name, outcome), value in totals.items()
+        ]
+
+    def _outbox(self, field_name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            values = [getattr(snapshot, field_name) for snapshot, _ in self._snapshots()]
+            known = [int(v) for v in values if v is not None]
+            return [otel_metrics.Observation(sum(known))] if known else []
+
+        return observe
+
+
+# One instrument set per meter provider, for the life of the provider (see _Instruments).
+_INSTRUMENTS: weakref.WeakKeyDictionary[Any, _Instruments] = weakref.WeakKeyDictionary()
+
+
+def _instruments_for(provider: MeterProvider) -> _Instruments:
+    instruments = _INSTRUMENTS.get(provider)
+    if instruments is None:
+        instruments = _INSTRUMENTS[provider] = _Instruments(provider)
+    return instruments
+
+
+class Telemetry:
+    """The tracer and meter a consumer or publisher reports to (the global providers by default).
+
+    Pass one to ``Consumer(..., telemetry=...)`` or ``Publisher(..., telemetry=...)`` to
+    use other providers than the global ones (tests do, since the SDK lets a process set
+    the global providers once). Needs ``opentelemetry-api`` (the ``otel`` extra).
+    """
+
+    def __init__(
+        self, *, tracer_provider: TracerProvider | None = None, meter_provider: MeterProvider | None = None
+    ) -> None:
+        if not AVAILABLE:
+            raise ConfigError("Telemetry needs opentelemetry-api: pip install 'lily-mongo[otel]'")
+        self._tracer = otel_trace.get_tracer(SCOPE, tracer_provider=tracer_provider)
+        self._instruments = _instruments_for(meter_provider or otel_metrics.get_meter_provider())
+        self._started: dict[str, tuple[str, dict[str, str]]] = {}  # per queue: span name, start attributes
+        self._process_attributes: dict[tuple[str, str], dict[str, str]] = {}
+        self._queue_attributes: dict[str, dict[str, str]] = {}
+        # What the Prometheus exposition reads (the snapshot holds no durations).
+        self.process_duration = _Histogram(
+            "messaging_process_duration_seconds", "Duration of processing a delivery.", DURATION_BUCKETS
+        )
+        self.handler_duration = _Histogram(
+            "lily_handler_duration_seconds", "Duration of a delivery's execution.", DURATION_BUCKETS
+        )
+        self.relay_lag = _Histogram(
+            "lily_outbox_relay_lag_seconds", "Seconds from an outbox record's creation to its confirm.", LAG_BUCKETS
+        )
+
+    def histograms(self) -> tuple[_Histogram, ...]:
+        """The in-process histograms (for the Prometheus exposition)."""
+        return (self.process_duration, self.handler_duration, self.relay_lag)
+
+    # -- metric sources ---------------------------------------------------------------------------
+
+    def watch(self, source: SnapshotSource) -> Callable[[], None]:
+        """Let the observable instruments read ``source`` when collected; returns the un-watcher."""
+        sources = self._instruments.sources
+        key = next(self._instruments.keys)
+        sources[key] = source
+
+        def unwatch() -> None:
+            sources.pop(key, None)
+
+        return unwatch
+
+    # -- one delivery -----------------------------------------------------------------------------
+
+    def delivery_started(self, queue: str, headers: Mapping[str, Any]) -> DeliveryTrace:
+        """Start the delivery's ``CONSUMER`` span (continuing its trace context) and make it current."""
+        parent = _PROPAGATOR.extract(headers, _EMPTY, _GETTER) if TRACEPARENT_HEADER in headers else _EMPTY
+        started = self._started.get(queue)
+        if started is None:
+            started = self._started[queue] = (
+                f"process {queue}",
+                {
+                    "messaging.system": SYSTEM,
+                    "messaging.operation.type": "process",
+                    "messaging.operation.name": "process",
+                    "messaging.destination.name": queue,
+                },
+            )
+        span = self._tracer.start_span(started[0], parent, SpanKind.CONSUMER, started[1])
+        token = otel_context.attach(otel_trace.set_span_in_context(span, parent))
+        return DeliveryTrace(self, queue, span, token)
+
+    def _finished(self, trace: DeliveryTrace, outcome: str, duration: float) -> None:
+        key = (trace.queue, outcome)
+        attributes = self._process_attributes.get(key)
+        if attributes is None:
+            attributes = self._process_attributes[key] = {
+                "messaging.system": SYSTEM,
+                "messaging.operation.name": "process",
+                "messaging.destination.name": trace.queue,
+                "lily.outcome": outcome,
+            }
+        instruments = self._instruments
+        labels = (("queue", trace.queue), ("outcome", outcome))
+        instruments.process_duration.record(duration, attributes)
+        self.process_duration.record(labels, duration)
+        if trace.handler_seconds is not None:
+            queue_attributes = self._queue_attributes.get(trace.queue)
+            if queue_attributes is None:
+                queue_attributes = self._queue_attributes[trace.queue] = {
+                    "messaging.system": SYSTEM,
+                    "messaging.destination.name": trace.queue,
+                }
+            instruments.handler_duration.record(trace.handler_seconds, queue_attributes)
+            self.handler_duration.record(labels[:1], trace.handler_seconds)
+
+    # -- inbox steps ------------------------------------------------------------------------------
+
+    async def traced[T](
+        self,
+        name: str,
+        step: Awaitable[T],
+        attributes: Mapping[str, str | int] | None = None,
+        describe: Callable[[T], Mapping[str, str | int]] | None = None,
+    ) -> T:
+        """Await ``step`` inside a current ``INTERNAL`` span; ``describe`` adds attributes from its result.
+
+        An exception sets error status and ``error.type`` (the exception's ``error_type``
+        attribute, else its class name); its message is not recorded (it may quote data).
+        """
+        with self._tracer.start_as_current_span(
+            name, kind=SpanKind.INTERNAL, attributes=attributes, record_exception=False, set_status_on_exception=False
+        ) as span:
+            try:
+                result = await step
+            except BaseException as exc:
+                _fail(span, exc)
+                raise
+            if describe is not None:
+                span.set_attributes(describe(result))
+            return result
+
+    # -- publishing -------------------------------------------------------------------------------
+
+    def trace_headers(self) -> dict[str, str]:
+        """The current span's ``traceparent`` (and ``tracestate``): what an outbox record stores."""
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier)
+        return carrier
+
+    async def produce(
+        self,
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+        *,
+        exchange: str,
+        routing_key: str,
+        headers: Mapping[str, Any],
+        operation: str,
+        parent: DeliveryTrace | None = None,
+        attributes: Mapping[str, str | int] | None = None,
+        enqueued_at: datetime.datetime | None = None,
+    ) -> None:
+        """Publish through ``send(headers)`` inside a ``PRODUCER`` span whose ``traceparent`` it carries.
+
+        The span's parent is ``parent``'s span (a hand-off), else the context stored in
+        ``headers`` (an outbox record), else the current context. ``enqueued_at`` (an
+        outbox record's creation) records the relay lag once confirmed.
+        """
+        if parent is not None:
+            context: Context | None = otel_trace.set_span_in_context(parent.span)
+        elif TRACEPARENT_HEADER in headers:
+            context = _PROPAGATOR.extract(headers, _EMPTY, _GETTER)
+        else:
+            context = None
+        destination = exchange or routing_key
+        span_attributes: dict[str, str | int] = {
+            "messaging.system": SYSTEM,
+            "messaging.operation.type": "send",
+            "messaging.operation.name": "publish",
+            "messaging.destination.name": exchange,
+            "messaging.rabbitmq.destination.routing_key": routing_key,
+            "lily.publish": operation,
+        }
+        if attributes:
+            span_attributes.update(attributes)
+        span = self._tracer.start_span(f"publish {destination}", context, SpanKind.PRODUCER, span_attributes)
+        try:
+            with otel_trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+                carrier = _with_trace_context(headers)
+            await send(carrier)
+        except BaseException as exc:
+            _fail(span, exc)
+            raise
+        finally:
+            span.end()
+        self._instruments.sent.add(1, {"messaging.system": SYSTEM, "lily.publish": operation})
+        if enqueued_at is not None:
+            lag = (datetime.datetime.now(datetime.UTC) - _aware(enqueued_at)).total_seconds()
+            self._instruments.relay_lag.record(max(lag, 0.0), {"messaging.system": SYSTEM})
+            self.relay_lag.record((), max(lag, 0.0))
+
+
+class DeliveryTrace:
+    """One delivery's span, its context token and its timings; ended by :meth:`finish`."""
+
+    __slots__ = ("_telemetry", "_token", "handler_seconds", "queue", "span", "started")
+
+    def __init__(self, telemetry: Telemetry, queue: str, span: Span, token: object) -> None:
+        self._telemetry = telemetry
+        self._token: object | None = token
+        self.queue = queue
+        self.span = span
+        self.started = time.monotonic()
+        self.handler_seconds: float | None = None
+
+    def executed(self, started: float) -> None:
+        """The execution (started at ``time.monotonic()`` value ``started``) returned its verdict."""
+        self.handler_seconds = time.monotonic() - started
+
+    def finish(
+        self, handler_id: str | None, event_id: object, outcome: str, code: str | None, execution: Execution
+    ) -> None:
+        """End the span with the terminal outcome and record the delivery's histograms (once)."""
+        span = self.span
+        if not span.is_recording():
+            self._telemetry._finished(self, outcome, time.monotonic() - self.started)
+            span.end()
+            return
+        attributes: dict[str, str | int] = {"lily.outcome": outcome}
+        if handler_id is not None:
+            attributes["lily.handler.id"] = handler_id
+        if event_id is not None:
+            attributes["messaging.message.id"] = str(event_id)
+        if code:
+            attributes["lily.failure.code"] = code
+        if execution.attempts > 1:
+            attributes["lily.attempts"] = execution.attempts
+        if execution.transient_replays:
+            attributes["lily.inbox.transient_replays"] = execution.transient_replays
+        if execution.reconciliations:
+            attributes["lily.inbox.reconciliations"] = execution.reconciliations
+        if execution.deferrals:
+            attributes["lily.inbox.deferrals"] = execution.deferrals
+        span.set_attributes(attributes)
+        if outcome in ERROR_OUTCOMES:
+            span.set_attribute("error.type", code or outcome)
+            span.set_status(Status(StatusCode.ERROR, f"{outcome}: {code}" if code else outcome))
+        self._telemetry._finished(self, outcome, time.monotonic() - self.started)
+        span.end()
+
+    def detach(self) -> None:
+        """Restore the context that was current before the delivery (in the delivery's own task)."""
+        token, self._token = self._token, None
+        if token is not None:
+            otel_context.detach(token)  # type: ignore[arg-type]
+
+    async def handoff(
+        self,
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+        routing_key: str,
+        headers: Mapping[str, Any],
+        *,
+        dead_letter: bool,
+        code: str | None,
+    ) -> None:
+        """A retry or DLQ copy, published in a ``PRODUCER`` span that is this delivery span's child."""
+        attributes: dict[str, str | int] = {"lily.handoff": "dlq" if dead_letter else "retry"}
+        if code:
+            attributes["lily.failure.code"] = code
+        await self._telemetry.produce(
+            send,
+            exchange="",
+            routing_key=routing_key,
+            headers=headers,
+            operation="dlq" if dead_letter else "retry",
+            parent=self,
+            attributes=attributes,
+        )
+
+
+def resolve_telemetry(option: bool | Telemetry | None) -> Telemetry | None:
+    """``True`` (the default): the global providers when the API is installed, else off;
+    ``False`` or ``None``: off; a :class:`Telemetry`: that one."""
+    if isinstance(option, Telemetry):
+        return option
+    if option is True:
+        return Telemetry() if AVAILABLE else None
+    if option is False or option is None:
+        return None
+    raise ConfigError(f"telemetry must be True, False or a Telemetry, got {type(option).__name__}")
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+
+
+if AVAILABLE:
+    _EMPTY = otel_context.Context()
+
+
+def _fail(span: Span, exc: BaseException) -> None:
+    error_type = getattr(exc, "error_type", None) or getattr(exc, "kind", None) or type(exc).__name__
+    span.set_attribute("error.type", str(error_type))
+    span.set_status(Status(StatusCode.ERROR, str(error_type)))
+
+
+def _aware(moment: datetime.datetime) -> datetime.datetime:
+    # PyMongo returns naive UTC datetimes unless the client is tz_aware.
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=datetime.UTC)
+
+
+def _with_trace_context(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``headers`` carrying the current span's trace context.
+
+    A ``traceparent`` already there is replaced (same size). One that was absent is
+    added only while the table stays within the metadata bounds a consumer enforces
+    (SPEC section 4): a copy a consumer would reject is worse than a broken trace.
+    """
+    carrier = dict(headers)
+    carrier.pop(TRACESTATE_HEADER, None)
+    _PROPAGATOR.inject(carrier)
+    if TRACEPARENT_HEADER in headers:
+        return carrier
+    try:
+        validate_envelope(carrier, 0)
+    except EnvelopeError as exc:
+        if exc.code == ErrorCode.METADATA_BOUNDS_EXCEEDED:
+            return dict(headers)
+    return carrier
