@@ -62,4 +62,8 @@ def configure_logging(level: str, fmt: str) -> None:
         root.removeHandler(existing)
     root.addHandler(handler)
     root.setLevel(max(LEVELS[level], logging.WARNING))
-    logging.getLogger("lily_mongo").setLevel(LEVELS[level])
+    package = logging.getLogger("lily_mongo")
+    for existing in list(package.handlers):  # the console script's default handler: this one replaces it
+        package.removeHandler(existing)
+    package.propagate = True
+    package.setLevel(LEVELS[level])
