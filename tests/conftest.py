@@ -7,9 +7,7 @@ embedded MongoDB-wire server and uses the local RabbitMQ.
 
 from __future__ import annotations
 
-import os
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aio_pika
@@ -17,37 +15,26 @@ import aio_pika.abc
 import pytest
 from pymongo import AsyncMongoClient
 
-from lily_mongo.embedded import EmbeddedServer
 from tests.support import BrokerNames, FailPoints, amqp_url
+
+# The MongoDB fixtures are the package's own pytest plugin's (lily_mongo.pytest_plugin),
+# under the names these tests use.
 
 
 @pytest.fixture(scope="session")
-def mongo_uri() -> Iterator[str]:
-    configured = os.environ.get("LILY_MONGO_URI")
-    if configured:
-        yield configured
-        return
-    with EmbeddedServer() as server:
-        yield server.uri
+def mongo_uri(lily_mongo_uri: str) -> str:
+    return lily_mongo_uri
 
 
 @pytest.fixture
-async def mongo_client(mongo_uri: str) -> AsyncIterator[AsyncMongoClient[Any]]:
-    client: AsyncMongoClient[Any] = AsyncMongoClient(mongo_uri, serverSelectionTimeoutMS=10_000)
-    try:
-        yield client
-    finally:
-        await client.close()
+def mongo_client(lily_mongo_client: AsyncMongoClient[Any]) -> AsyncMongoClient[Any]:
+    return lily_mongo_client
 
 
 @pytest.fixture
-async def database_name(mongo_client: AsyncMongoClient[Any]) -> AsyncIterator[str]:
+def database_name(lily_mongo_database: str) -> str:
     """A fresh database per test (the emulator slows as collections grow)."""
-    name = f"lily_test_{uuid.uuid4().hex[:12]}"
-    try:
-        yield name
-    finally:
-        await mongo_client.drop_database(name)
+    return lily_mongo_database
 
 
 @pytest.fixture
