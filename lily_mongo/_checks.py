@@ -14,6 +14,7 @@ from typing import Any
 
 from yarl import URL
 
+from ._redact import redact_url
 from ._text import describe_value
 from .bounds import utf8_len
 from .errors import ConfigError
@@ -56,8 +57,6 @@ def check_callable(field: str, value: object) -> Callable[..., Any]:
 
 def check_amqp_url(field: str, value: object) -> str:
     """An ``amqp://`` or ``amqps://`` URL with a host, as aio-pika parses it; shown redacted when refused."""
-    from ._connect import redact_url  # here: this module stays free of I/O libraries
-
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{field} must be an amqp:// or amqps:// URL, got {describe_value(value)}")
     try:
