@@ -22,7 +22,7 @@ from lily_mongo import (
     RetryPolicy,
     queue,
 )
-from lily_mongo.testing import Faults, TestConsumer, check_idempotent
+from lily_mongo.testing import DeliveryResult, Faults, TestConsumer, check_idempotent
 
 NO_BROKER = "amqp://guest:guest@127.0.0.1:1/"
 
@@ -109,34 +109,36 @@ async def test_contract_cases_go_through_the_same_checks(
         assert text.code == "QUEUE_CONTENT_KIND_UNSUPPORTED"
 
 
+async def publish_under(
+    client: AsyncMongoClient[Any], database: str, inject: str, order_id: str
+) -> tuple[DeliveryResult, int]:
+    """One order delivered with the fault ``inject`` armed; its result and how many times it was applied."""
+    faults = Faults(client)
+    async with TestConsumer(orders_consumer(client, database, apply_order)) as tc:
+        await getattr(faults, inject)(1)
+        try:
+            result = await tc.publish_json("orders", {"order_id": order_id, "total": 1}, version=1)
+        finally:
+            await faults.clear()
+        return result, await tc.database["orders"].count_documents({"_id": order_id})
+
+
 async def test_an_injected_transient_error_replays(
     mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Any
 ) -> None:
-    faults = Faults(mongo_client)
-    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
-        await faults.transient_operations(1)
-        try:
-            result = await tc.publish_json("orders", {"order_id": "o3", "total": 1}, version=1)
-        finally:
-            await faults.clear()
-        assert result.outcome == "acked"
-        assert (result.observation.attempts, result.observation.transient_replays) == (2, 1)
-        assert await tc.database["orders"].count_documents({"_id": "o3"}) == 1
+    result, applied = await publish_under(mongo_client, database_name, "transient_operations", "o3")
+    assert result.outcome == "acked"
+    assert (result.observation.attempts, result.observation.transient_replays) == (2, 1)
+    assert applied == 1
 
 
 async def test_an_injected_ambiguous_commit_is_reconciled(
     mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Any
 ) -> None:
-    faults = Faults(mongo_client)
-    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
-        await faults.ambiguous_commits(1)
-        try:
-            result = await tc.publish_json("orders", {"order_id": "o4", "total": 1}, version=1)
-        finally:
-            await faults.clear()
-        assert result.outcome == "acked"
-        assert (result.observation.attempts, result.observation.reconciliations) == (1, 1)
-        assert await tc.database["orders"].count_documents({"_id": "o4"}) == 1
+    result, applied = await publish_under(mongo_client, database_name, "ambiguous_commits", "o4")
+    assert result.outcome == "acked"
+    assert (result.observation.attempts, result.observation.reconciliations) == (1, 1)
+    assert applied == 1
 
 
 async def test_a_lease_held_elsewhere_defers_without_running_the_handler(
