@@ -1,7 +1,7 @@
 """The inbox: a lily_mongo inbox consumer against a hand-written inbox consumer, same broker, same MongoDB.
 
 Run: ``python benchmarks/bench_inbox.py [--messages 400] [--rounds 5] [--concurrency 1 4]
-[--duplicates 0.1] [--prefetch 64] [--relay] [--json]``
+[--duplicates 0.1] [--prefetch 64] [--relay] [--lease-first] [--json]``
 (``LILY_MONGO_URI`` selects MongoDB, a replica set; unset, the embedded
 MongoDB-wire emulator is started for the run. ``LILY_AMQP_URL`` selects the
 broker; default the local RabbitMQ as guest.)
@@ -13,7 +13,10 @@ event inside the transaction.
 
 * lily: ``Consumer(..., mongo_client=AsyncMongoClient(uri, event_listeners=[...]))``
   with an inbox handler taking ``Json[Order]``, ``EventId`` and ``MongoScope``;
-  the outbox relay is off (``InboxOptions(run_relay=False)``) unless ``--relay``.
+  the outbox relay is off (``InboxOptions(run_relay=False)``) unless ``--relay``;
+  first-time copies claim their record inside the transaction (the default)
+  unless ``--lease-first`` (``InboxOptions(claim_in_transaction=False)``: every
+  copy takes the lease claim first, SPEC section 5's 3 + k path).
 * hand: what a competent user writes with aio-pika and ``pymongo.AsyncMongoClient``:
   prefetch, a semaphore for the concurrency, and per message a session and a
   transaction (snapshot read concern, majority write concern) that inserts the
@@ -286,7 +289,7 @@ async def child_lily(config: dict[str, Any], commands: CommandLog) -> dict[str, 
         name="bench-inbox",
         mongo_client=client,
         database=config["database"],
-        inbox=InboxOptions(run_relay=config["relay"]),
+        inbox=InboxOptions(run_relay=config["relay"], claim_in_transaction=not config["lease_first"]),
     )
     consumer.configure_queue(
         name,
@@ -554,6 +557,7 @@ async def run_child(
         "concurrency": concurrency,
         "prefetch": options.effective_prefetch,
         "relay": args.relay,
+        "lease_first": args.lease_first,
         "timeout": args.timeout,
     }
     rng = random.Random(f"{round_}")
@@ -756,10 +760,15 @@ def print_summary(args: argparse.Namespace, summary: dict[str, Any]) -> None:
             if kind == "lily" and first["per_delivery"]:
                 spent = sum(first["per_delivery"].values())
                 duplicate = sum(dups["per_delivery"].values())
+                # The duplicates here are copies delivered for the first time (published twice):
+                # claimed in the transaction they cost the claim and the abort; a redelivered
+                # copy takes the lease claim, 1 command (tests/integration/test_inbox_budget.py).
+                first_bound, dup_bound = (3 + 1, 1) if args.lease_first else (2 + 1, 2)
+                path = "lease claim first" if args.lease_first else "first-time copies claim in the transaction"
                 print(
-                    f"    SPEC section 5 budget (k = 1 handler write): first-time <= {3 + 1}, duplicate <= 1; "
-                    f"measured {spent:.2f} ({'within' if spent <= 4 + 1e-9 else 'OVER'}) and "
-                    f"{duplicate:.2f} ({'within' if duplicate <= 1 + 1e-9 else 'OVER'})"
+                    f"    budget ({path}; k = 1 handler write): first-time <= {first_bound}, duplicate <= "
+                    f"{dup_bound}; measured {spent:.2f} ({'within' if spent <= first_bound + 1e-9 else 'OVER'}) and "
+                    f"{duplicate:.2f} ({'within' if duplicate <= dup_bound + 1e-9 else 'OVER'})"
                 )
             if first["replays"]:
                 print(f"    extra commands per replay: {describe(first['extra_per_replay'])}")
@@ -793,7 +802,8 @@ async def parent(args: argparse.Namespace) -> int:
                 f"{args.messages} messages per run, then {round(args.messages * args.duplicates)} duplicate copies; "
                 f"{args.rounds} rounds (order alternating); concurrency {' '.join(map(str, args.concurrency))}; "
                 f"prefetch {args.prefetch}; lily outbox relay "
-                f"{'on (its commands listed as not charged)' if args.relay else 'off (InboxOptions(run_relay=False))'}",
+                f"{'on (its commands listed as not charged)' if args.relay else 'off (InboxOptions(run_relay=False))'}"
+                f"; lily claims {'with the lease first' if args.lease_first else 'first copies in the transaction'}",
                 file=out,
             )
             for round_ in range(1, args.rounds + 1):
@@ -827,7 +837,16 @@ async def parent(args: argparse.Namespace) -> int:
     if args.json:
         config = {
             key: getattr(args, key)
-            for key in ("messages", "rounds", "concurrency", "duplicates", "prefetch", "relay", "timeout")
+            for key in (
+                "messages",
+                "rounds",
+                "concurrency",
+                "duplicates",
+                "prefetch",
+                "relay",
+                "lease_first",
+                "timeout",
+            )
         }
         print(json.dumps({"backend": backend, "config": config, "summary": summary, "runs": runs}, indent=1))
     else:
@@ -845,6 +864,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prefetch", type=int, default=64, help="prefetch for both consumers (default 64)")
     parser.add_argument("--relay", action="store_true", help="run lily's outbox relay (default off)")
+    parser.add_argument(
+        "--lease-first",
+        action="store_true",
+        help="every copy takes the lease claim first (InboxOptions(claim_in_transaction=False))",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds per phase (default 60 + messages/4)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON (progress on stderr)")
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -2,6 +2,12 @@
 
 For one delivery of handler ``H`` and event ``E`` (record ``_id`` ``"H|E"``):
 
+0. **A first-time copy** (not redelivered; ``InboxOptions.claim_in_transaction``)
+   claims inside its attempt's transaction: the first write inserts the record
+   completed (``$setOnInsert`` upsert, returning what was there). Absent: the
+   handler runs and the commit makes record and effects visible together, with
+   no lease to renew or release. Completed: a duplicate. A lease record, or a
+   transient error: abort and continue with the claim below.
 1. **Claim**: one ``find_one_and_update(upsert=True)`` on the server clock decides:
    completed → duplicate → ACK; leased by another live owner → deferred (its
    deferral counter incremented in the same update); otherwise leased to this
@@ -24,14 +30,17 @@ For one delivery of handler ``H`` and event ``E`` (record ``_id`` ``"H|E"``):
    the deferral.
 
 Budget (SPEC section 5): a first-time delivery whose handler makes ``k`` writes
-sends ``3 + k`` commands (claim, completion, k writes, commit); a copy of a
-completed event sends 1 (the claim). :mod:`lily_mongo.lease` holds every
+sends ``2 + k`` commands (the claim in the transaction, k writes, commit), a
+redelivered one ``3 + k`` (claim, completion, k writes, commit); a redelivered
+copy of a completed event sends 1 (the claim), a first-time one 2 (the claim in
+the transaction, the abort). :mod:`lily_mongo.lease` holds every
 decision; this module performs them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import itertools
 import logging
 import random
@@ -50,10 +59,10 @@ from . import lease as protocol
 from ._checks import check_bool, check_int, check_seconds
 from ._mongo import discard_server_session, ensure_index, error_labels
 from ._tasks import TaskSet
-from .bounds import BOUNDS
+from .bounds import BOUNDS, DELIVERY_COUNT_HEADER
 from .errors import ConfigError, ErrorCode, ScopeClosedError
 from .extractors import NOT_DECODED
-from .lease import ClaimKind, ErrorStep, Heartbeat, Reconciled
+from .lease import ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
 from .outbox import Outbox, RelayOptions
 from .settlement import Execution, Outcome, PipelineResult
 
@@ -95,6 +104,7 @@ class InboxOptions:
     backoff_max: float = 1.0
     outbox_max_body: int = BOUNDS.outbox_body_default
     passive_indexes: bool = False
+    claim_in_transaction: bool = True
     relay: RelayOptions = field(default_factory=RelayOptions)
     run_relay: bool = True
 
@@ -125,6 +135,7 @@ class InboxOptions:
             )
         check_int("InboxOptions.outbox_max_body", self.outbox_max_body, 1, BOUNDS.outbox_body_max)
         check_bool("InboxOptions.passive_indexes", self.passive_indexes)
+        check_bool("InboxOptions.claim_in_transaction", self.claim_in_transaction)
         check_bool("InboxOptions.run_relay", self.run_relay)
         if not isinstance(self.relay, RelayOptions):
             raise ConfigError(f"InboxOptions.relay must be a RelayOptions, got {type(self.relay).__name__}")
@@ -186,6 +197,12 @@ class _Replay(Exception):
     error_type = "transient_replay"  # what an attempt's span reports
 
 
+class _Contended(Exception):
+    """A first-time copy found a lease record: its transaction wrote nothing; take the lease claim."""
+
+    error_type = "contended"  # what an attempt's span reports
+
+
 @dataclass(slots=True, eq=False)
 class _Lease:
     key: str
@@ -194,6 +211,8 @@ class _Lease:
     renewed_at: float = field(default_factory=time.monotonic)
     holding: bool = False  # the attempt's transaction has written the record and not ended
     lost: bool = False
+    first: bool = False  # no lease: the attempt's transaction claims the record (a first-time copy)
+    event_id: str = ""
 
 
 class Inbox:
@@ -288,7 +307,16 @@ class Inbox:
         """Run one delivery under the record protocol; ``payload`` is the body decoded while preparing."""
         event_id = str(delivery.envelope.event_id)
         key = protocol.record_key(route.handler_id, event_id)
-        owner = f"{self._owner_prefix}{next(self._owner_numbers)}"
+        execution = Execution(PipelineResult(Outcome.DEFERRED, ErrorCode.REPLAY_BUDGET_SPENT, ""))
+        if self._options.claim_in_transaction and protocol.claims_in_transaction(
+            redelivered=delivery.redelivered, delivery_count=delivery.headers.get(DELIVERY_COUNT_HEADER)
+        ):
+            # A first-time copy: the claim is the transaction's first write (2 + k commands).
+            # It leaves no lease behind: nothing to renew, nothing to release.
+            first = _Lease(key, self._new_owner(), 1, first=True, event_id=event_id)
+            if await self._attempts(route, first, execution, payload, invoke):
+                return execution
+        owner = self._new_owner()
         try:
             claiming: Awaitable[dict[str, Any]] = self._claim(key, route.handler_id, event_id, owner)
             if self._telemetry is not None:
@@ -300,24 +328,26 @@ class Inbox:
             # The database is unreachable or refused: infrastructure, not an application
             # failure. Requeue (bounded) without running the handler.
             reason = f"inbox unavailable: {type(exc).__name__}"
-            return Execution(PipelineResult(Outcome.DEFERRED, ErrorCode.MONGO_UNAVAILABLE, reason))
+            execution.result = PipelineResult(Outcome.DEFERRED, ErrorCode.MONGO_UNAVAILABLE, reason)
+            return execution
         claim = protocol.read_claim(record, owner)
         if claim.kind is ClaimKind.DUPLICATE:
-            return Execution(_DUPLICATE)
+            execution.result = _DUPLICATE
+            return execution
         if claim.kind is ClaimKind.HELD:
-            return Execution(
-                PipelineResult(Outcome.DEFERRED, ErrorCode.LEASE_HELD, "the lease is held by another live owner"),
-                deferrals=claim.deferrals,
-                backoff_limit=claim.remaining,
+            execution.result = PipelineResult(
+                Outcome.DEFERRED, ErrorCode.LEASE_HELD, "the lease is held by another live owner"
             )
+            execution.deferrals, execution.backoff_limit = claim.deferrals, claim.remaining
+            return execution
         lease = _Lease(key, owner, claim.token)
         self._leases.add(lease)
-        execution: Execution | None = None
+        settled = False
         try:
-            execution = await self._attempts(route, delivery, lease, payload, invoke)
+            settled = await self._attempts(route, lease, execution, payload, invoke)
         finally:
             self._leases.discard(lease)
-            outcome = execution.result.outcome if execution is not None else None
+            outcome = execution.result.outcome if settled else None
             if outcome is not Outcome.SUCCESS and outcome is not Outcome.DUPLICATE:
                 # Release even if this task is being cancelled. Cancelled from outside
                 # (deadline, forced shutdown), the attempt is not a deferral: the runtime
@@ -329,9 +359,12 @@ class Inbox:
                 except PyMongoError:
                     log.warning("releasing an inbox lease failed; it will expire", exc_info=True)
                     deferrals = 0
-                if execution is not None and deferred:
+                if settled and deferred:
                     execution.deferrals = deferrals
         return execution
+
+    def _new_owner(self) -> str:
+        return f"{self._owner_prefix}{next(self._owner_numbers)}"
 
     async def _claim(self, key: str, handler_id: str, event_id: str, owner: str) -> dict[str, Any]:
         pipeline = protocol.claim_pipeline(
@@ -366,18 +399,22 @@ class Inbox:
         return int(record.get("deferrals", 0))
 
     async def _attempts(
-        self, route: HandlerRoute, delivery: RawDelivery, lease: _Lease, payload: Any, invoke: Invoke
-    ) -> Execution:
-        """The replay loop: each pass is a fresh scope; transient failures replay the whole pipeline."""
+        self, route: HandlerRoute, lease: _Lease, execution: Execution, payload: Any, invoke: Invoke
+    ) -> bool:
+        """The replay loop: each pass is a fresh scope; transient failures replay the whole pipeline.
+
+        True once ``execution.result`` is the verdict. False only for a first-time copy
+        (``lease.first``) whose record turned out contended, or whose attempt must be
+        replayed: the replay (backed off, counted) takes the lease claim first.
+        """
         options = self._options
-        execution = Execution(PipelineResult(Outcome.DEFERRED, ErrorCode.REPLAY_BUDGET_SPENT, ""))
         while True:
             execution.attempts += 1
             if lease.lost:
                 execution.result = PipelineResult(
                     Outcome.DEFERRED, ErrorCode.LEASE_LOST, "the lease was lost between attempts"
                 )
-                return execution
+                return True
             # The first attempt reuses the body decoded while preparing; a replay decodes
             # afresh so a handler that mutated its payload cannot leak into the replay.
             first = payload if execution.attempts == 1 else NOT_DECODED
@@ -387,13 +424,17 @@ class Inbox:
                     numbers = {
                         "lily.inbox.attempt": execution.attempts,
                         "lily.inbox.replays": execution.transient_replays,
+                        "lily.inbox.claim_in_transaction": int(lease.first),
                     }
                     attempt = self._telemetry.traced("inbox attempt", attempt, numbers, _result_attributes)
                 execution.result = await attempt
-                return execution
+                return True
             except _Deferral as deferral:
                 execution.result = deferral.result
-                return execution
+                return True
+            except _Contended:
+                execution.attempts -= 1  # no handler ran: the lease claim's attempt is the first
+                return False
             except _Replay as replay:
                 execution.transient_replays += 1
                 if protocol.next_after_replay(execution.transient_replays, options.replay_budget) is ErrorStep.DEFER:
@@ -403,7 +444,7 @@ class Inbox:
                         f"{execution.transient_replays - 1} transient replays (budget "
                         f"{options.replay_budget}); last: {replay}",
                     )
-                    return execution
+                    return True
                 await asyncio.sleep(
                     protocol.backoff(
                         execution.transient_replays,
@@ -412,6 +453,8 @@ class Inbox:
                         jitter=random.random(),
                     )
                 )
+                if lease.first:
+                    return False
 
     async def _attempt(
         self, route: HandlerRoute, lease: _Lease, execution: Execution, payload: Any, invoke: Invoke
@@ -422,18 +465,26 @@ class Inbox:
                 read_concern=ReadConcern("snapshot"), write_concern=WriteConcern("majority")
             )
             lease.holding = True  # from the completion write until the commit or abort ends
-            try:
-                done = await self._records.update_one(
-                    protocol.fence(lease.key, lease.owner, lease.token),
-                    protocol.completion_update(retention_seconds=self._options.retention_seconds),
-                    session=session,
-                )
-            except PyMongoError as exc:
-                await self._abort(session)
-                raise self._failed(exc, "the completion write") from exc
-            if done.matched_count == 0:
-                await self._abort(session)
-                return PipelineResult(Outcome.DEFERRED, ErrorCode.LEASE_LOST, "the lease was taken over")
+            if lease.first:
+                found = await self._first_claim(session, route, lease)
+                if found is not FirstClaim.CLAIMED:
+                    await self._abort(session)
+                    if found is FirstClaim.DUPLICATE:
+                        return _DUPLICATE
+                    raise _Contended
+            else:
+                try:
+                    done = await self._records.update_one(
+                        protocol.fence(lease.key, lease.owner, lease.token),
+                        protocol.completion_update(retention_seconds=self._options.retention_seconds),
+                        session=session,
+                    )
+                except PyMongoError as exc:
+                    await self._abort(session)
+                    raise self._failed(exc, "the completion write") from exc
+                if done.matched_count == 0:
+                    await self._abort(session)
+                    return PipelineResult(Outcome.DEFERRED, ErrorCode.LEASE_LOST, "the lease was taken over")
             scope: MongoScope | None = None
             outbox = Outbox(
                 self._outbox,
@@ -464,6 +515,26 @@ class Inbox:
         finally:
             lease.holding = False
             await session.end_session()
+
+    async def _first_claim(self, session: AsyncClientSession, route: HandlerRoute, lease: _Lease) -> FirstClaim:
+        """A first-time copy's claim: the transaction's first write inserts the record completed, or finds it."""
+        update = protocol.first_claim_update(
+            route.handler_id,
+            lease.event_id,
+            lease.owner,
+            now=datetime.datetime.now(datetime.UTC),
+            retention_seconds=self._options.retention_seconds,
+        )
+        try:
+            before = await self._records.find_one_and_update(
+                {"_id": lease.key}, update, upsert=True, projection={"state": 1}, session=session
+            )
+        except DuplicateKeyError:
+            return FirstClaim.CONTENDED  # inserted meanwhile by someone else: the lease claim decides
+        except PyMongoError as exc:
+            await self._abort(session)
+            raise self._failed(exc, "the claim in the transaction") from exc
+        return protocol.read_first_claim(before)
 
     @staticmethod
     def _failed(exc: PyMongoError, where: str) -> Exception:

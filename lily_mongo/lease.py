@@ -8,6 +8,8 @@ completion. Its life::
                          |  +-- claim by another owner once expired (token + 1)           +-- claim: duplicate
                          +-- release: deleted (final failure) or expired with deferrals + 1 (deferral)
 
+    (absent) --first-time copy: inserted completed by its transaction's first write + commit--> completed
+
 This module holds both halves of every step:
 
 * the **server side**: the MongoDB update each step sends (:func:`claim_pipeline`,
@@ -40,20 +42,25 @@ __all__ = [
     "Claim",
     "ClaimKind",
     "ErrorStep",
+    "FirstClaim",
     "Heartbeat",
     "Reconciled",
     "backoff",
     "claim_pipeline",
     "claim_transition",
+    "claims_in_transaction",
     "classify_error",
     "completion_transition",
     "completion_update",
     "deferral_release_update",
     "fence",
+    "first_claim_transition",
+    "first_claim_update",
     "heartbeat_verdict",
     "may_renew",
     "next_after_replay",
     "read_claim",
+    "read_first_claim",
     "reconcile",
     "record_key",
     "release_transition",
@@ -195,6 +202,84 @@ def read_claim(record: Record, owner: str) -> Claim:
     expires, checked = _aware(record.get("expires_at")), _aware(record.get("checked_at"))
     remaining = max((expires - checked).total_seconds(), 0.0) if expires and checked else None
     return Claim(ClaimKind.HELD, deferrals=int(record.get("deferrals", 0)), remaining=remaining)
+
+
+# -- 1'. the claim inside the transaction (a copy delivered for the first time) -----------------
+
+
+def claims_in_transaction(*, redelivered: bool, delivery_count: object) -> bool:
+    """Should this copy claim its record inside the handler's transaction?
+
+    Only a copy the broker delivers for the first time (not ``redelivered``, no
+    ``x-delivery-count`` above 0; a retry copy is a new message and qualifies):
+    its record is almost always absent, and then the claim *is* the completion.
+    A redelivered copy usually meets a record (a crashed owner's lease, a
+    completion whose ACK was lost, a deferral), which the lease claim answers in
+    one command. Either way is safe: this only chooses the cheaper one.
+    """
+    return not redelivered and not (type(delivery_count) is int and delivery_count > 0)
+
+
+class FirstClaim(enum.Enum):
+    CLAIMED = "claimed"  # the record was absent: this transaction wrote it, completed, as its first write
+    DUPLICATE = "duplicate"  # completed: abort, ACK as a duplicate
+    CONTENDED = "contended"  # a lease record exists: abort, take the lease claim (it decides held or leased)
+
+
+def first_claim_update(
+    handler_id: str, event_id: str, owner: str, *, now: datetime.datetime, retention_seconds: float
+) -> dict[str, Any]:
+    """The transaction's first write for a first-time copy: insert the record completed, or change nothing.
+
+    Sent as ``find_one_and_update({"_id": key}, this, upsert=True)`` returning the
+    record *before* (see :func:`first_claim_transition`). The record commits with
+    the handler's writes or not at all, so no lease is needed while it runs: on
+    MongoDB the transaction holds the record from this write, a concurrent
+    transaction writing it fails at once with a labelled ``WriteConflict`` (before
+    its handler ran), and a concurrent lease claim waits for the commit or abort.
+    ``owner`` and token 1 let :func:`reconcile` recognise this attempt's commit.
+    Retention is counted from the consumer's clock here (``$setOnInsert`` takes no
+    ``$$NOW``); a skew of seconds against days of retention.
+    """
+    return {
+        "$setOnInsert": {
+            "handler": handler_id,
+            "event_id": event_id,
+            "state": COMPLETED,
+            "owner": owner,
+            "token": 1,
+            "acquisitions": 1,
+            "deferrals": 0,
+            "completed_at": now,
+            "purge_at": now + datetime.timedelta(seconds=retention_seconds),
+        }
+    }
+
+
+def first_claim_transition(
+    record: Record | None,
+    *,
+    key: str,
+    handler_id: str,
+    event_id: str,
+    owner: str,
+    now: datetime.datetime,
+    retention_seconds: float,
+) -> dict[str, Any] | None:
+    """The record :func:`first_claim_update` writes, or None (an existing record is left unchanged)."""
+    if record is not None:
+        return None
+    insert = first_claim_update(handler_id, event_id, owner, now=now, retention_seconds=retention_seconds)
+    return {"_id": key, **insert["$setOnInsert"]}
+
+
+def read_first_claim(before: Record | None) -> FirstClaim:
+    """What the first claim found (the record as it was before the write, in the transaction's snapshot)."""
+    if before is None:
+        return FirstClaim.CLAIMED
+    if before.get("state") == COMPLETED:
+        return FirstClaim.DUPLICATE
+    return FirstClaim.CONTENDED
 
 
 # -- fencing, completion, renewal, release -------------------------------------------------------

@@ -218,9 +218,14 @@ async def test_same_event_twice_runs_the_handler_once(
 
 
 @pytest.mark.parametrize(
-    ("command", "collection"),
-    [("insert", EFFECTS), ("update", "counters"), ("update", RECORDS)],
-    ids=["handler-insert", "handler-update", "completion-write"],  # the completion is the transaction's first write
+    ("command", "collection", "claim_in_transaction"),
+    [
+        ("insert", EFFECTS, True),
+        ("update", "counters", True),
+        ("findAndModify", RECORDS, True),  # a first-time copy's claim, the transaction's first write
+        ("update", RECORDS, False),  # the lease path's completion, the transaction's first write
+    ],
+    ids=["handler-insert", "handler-update", "claim-in-transaction", "completion-write"],
 )
 async def test_transient_error_on_an_operation_replays(
     amqp: str,
@@ -231,12 +236,14 @@ async def test_transient_error_on_an_operation_replays(
     amqp_channel: aio_pika.abc.AbstractChannel,
     command: str,
     collection: str,
+    claim_in_transaction: bool,
 ) -> None:
     # error_code=112 with TransientTransactionError is MongoDB's WriteConflict shape.
     q = names.queue("tt")
     calls: list[uuid.UUID] = []
     event = uuid.uuid4()
-    consumer = make_consumer(amqp, mongo_client, database_name, q, effect_handler(q, calls))
+    options = InboxOptions(claim_in_transaction=claim_in_transaction)
+    consumer = make_consumer(amqp, mongo_client, database_name, q, effect_handler(q, calls), inbox=options)
     async with running(consumer) as managed:
         await set_failpoint(
             mongo_client,
@@ -253,8 +260,8 @@ async def test_transient_error_on_an_operation_replays(
     assert observation.outcome == "acked"
     assert observation.transient_replays >= 1
     assert observation.attempts == observation.transient_replays + 1
-    # Each attempt is one fresh handler call, except one failing at the completion write,
-    # which precedes the handler.
+    # Each attempt is one fresh handler call, except one failing at the claim in the
+    # transaction or the completion write, which precede the handler.
     failed_before_the_handler = 1 if collection == RECORDS else 0
     assert len(calls) == observation.attempts - failed_before_the_handler
     assert managed.snapshot().queues[0].transient_replays >= 1
@@ -849,7 +856,9 @@ async def test_a_lease_taken_over_between_attempts_defers_at_the_next_attempt(
             raise OperationFailure("write conflict", code=112, details={"errorLabels": ["TransientTransactionError"]})
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
 
-    options = InboxOptions(lease_seconds=0.6, heartbeat_seconds=0.1, backoff_base=1.0, backoff_max=2.0)
+    options = InboxOptions(
+        lease_seconds=0.6, heartbeat_seconds=0.1, backoff_base=1.0, backoff_max=2.0, claim_in_transaction=False
+    )
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options)
     async with running(consumer) as managed:
         await publish(amqp, q, event)

@@ -1,9 +1,15 @@
 """The inbox's command budget (SPEC section 5), counted on the consumer's own command stream.
 
 A pymongo ``CommandListener`` on the consumer's client sees every command a
-delivery sends. Budget: a first-time successful delivery whose handler makes
+delivery sends. SPEC budget: a first-time successful delivery whose handler makes
 ``k`` writes sends at most ``3 + k`` (claim, completion, k writes, commit); a
 copy of a completed event sends 1 (the claim).
+
+With ``claim_in_transaction`` (the default), a copy the broker delivers for the
+first time claims inside the transaction: ``2 + k`` (the claim that is the
+completion, k writes, commit); a copy of a completed event delivered for the
+first time then costs 2 (the claim finds it, the abort); a redelivered copy
+takes the lease claim: 1 for a completed event, ``3 + k`` for one not yet done.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import aio_pika
 import pytest
 from pymongo import AsyncMongoClient, monitoring
 
@@ -53,28 +60,72 @@ async def counted(mongo_uri: str) -> Any:
         await client.close()
 
 
-async def test_first_time_deliveries_cost_3_plus_k_and_a_duplicate_costs_1(
-    amqp: str, counted: tuple[AsyncMongoClient[Any], Commands], database_name: str, names: BrokerNames
-) -> None:
-    client, listener = counted
-    q = names.queue("budget")
+RECORDS, EFFECTS = "lily_inbox", "effects"
 
+
+def lease_path(k: int) -> list[tuple[str, str]]:
+    return [
+        ("findAndModify", RECORDS),  # the lease claim
+        ("update", RECORDS),  # the completion, the transaction's first write
+        *[("insert", EFFECTS)] * k,  # the handler's writes
+        ("commitTransaction", ""),
+    ]
+
+
+def in_transaction_path(k: int) -> list[tuple[str, str]]:
+    return [
+        ("findAndModify", RECORDS),  # the claim inside the transaction, which is the completion
+        *[("insert", EFFECTS)] * k,
+        ("commitTransaction", ""),
+    ]
+
+
+def budget_consumer(amqp: str, client: AsyncMongoClient[Any], database: str, q: str, **inbox: Any) -> Consumer:
     @queue(q, version=1, content="json", handler_id=f"{q}/writes")
     async def writes(payload: Json[dict[str, Any]], event_id: EventId, mongo: MongoScope) -> None:
         for n in range(payload["k"]):
-            await mongo.database["effects"].insert_one({"event_id": str(event_id), "n": n}, session=mongo.session)
+            await mongo.database[EFFECTS].insert_one({"event_id": str(event_id), "n": n}, session=mongo.session)
 
     # No relay (it polls the outbox on its own schedule); the lease outlasts the test, so
     # no heartbeat renewal is due either.
     consumer = Consumer(
         amqp_url=amqp,
         mongo_client=client,
-        database=database_name,
+        database=database,
         name="budget",
-        inbox=InboxOptions(run_relay=False, lease_seconds=300),
+        inbox=InboxOptions(run_relay=False, lease_seconds=300, **inbox),
     )
     consumer.configure_queue(q, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=1, delays=(0.2,)))
     consumer.include(writes)
+    return consumer
+
+
+async def redeliver_all(amqp: str, q: str, count: int) -> None:
+    """Take ``count`` messages off ``q`` and give them back: the broker marks them redelivered."""
+    connection = await aio_pika.connect(amqp)
+    async with connection:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(q, passive=True)
+        taken = []
+        for _ in range(count):
+            message = await declared.get(no_ack=False, timeout=5)
+            assert message is not None
+            taken.append(message)
+        for message in taken:
+            await message.nack(requeue=True)
+
+
+@pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
+async def test_commands_per_delivery(
+    claim_in_transaction: bool,
+    amqp: str,
+    counted: tuple[AsyncMongoClient[Any], Commands],
+    database_name: str,
+    names: BrokerNames,
+) -> None:
+    client, listener = counted
+    q = names.queue("budget")
+    consumer = budget_consumer(amqp, client, database_name, q, claim_in_transaction=claim_in_transaction)
     seen: dict[str, list[tuple[str, str]]] = {}
     async with running(consumer) as managed, Publisher(amqp) as publisher:
         listener.take()  # start-up: index creation
@@ -87,13 +138,37 @@ async def test_first_time_deliveries_cost_3_plus_k_and_a_duplicate_costs_1(
         await eventually(lambda: len(outcomes(managed)) == 4, what="the duplicate")
         seen["duplicate"] = listener.take()
     assert outcomes(managed) == ["acked", "acked", "acked", "duplicate"]
-    records, effects = "lily_inbox", "effects"
     for k in (0, 1, 2):
-        assert seen[f"k={k}"] == [
-            ("findAndModify", records),  # the claim
-            ("update", records),  # the completion, the transaction's first write
-            *[("insert", effects)] * k,  # the handler's writes
-            ("commitTransaction", ""),
-        ], seen
-        assert len(seen[f"k={k}"]) == 3 + k
-    assert seen["duplicate"] == [("findAndModify", records)]
+        if claim_in_transaction:
+            assert seen[f"k={k}"] == in_transaction_path(k), seen
+            assert len(seen[f"k={k}"]) == 2 + k
+        else:
+            assert seen[f"k={k}"] == lease_path(k), seen
+            assert len(seen[f"k={k}"]) == 3 + k
+    if claim_in_transaction:  # found inside the transaction: the claim, then the abort
+        assert seen["duplicate"] == [("findAndModify", RECORDS), ("abortTransaction", "")]
+    else:
+        assert seen["duplicate"] == [("findAndModify", RECORDS)]
+
+
+async def test_redelivered_copies_take_the_lease_claim(
+    amqp: str, counted: tuple[AsyncMongoClient[Any], Commands], database_name: str, names: BrokerNames
+) -> None:
+    """A redelivered copy of a completed event costs 1; a redelivered first copy costs 3 + k."""
+    client, listener = counted
+    q = names.queue("budget")
+    async with running(budget_consumer(amqp, client, database_name, q)) as managed, Publisher(amqp) as publisher:
+        done = await publisher.publish_json(q, {"k": 1}, version=1)
+        await eventually(lambda: outcomes(managed) == ["acked"], what="the first delivery")
+    async with Publisher(amqp) as publisher:
+        await publisher.publish_json(q, {"k": 1}, version=1, event_id=done)
+        await publisher.publish_json(q, {"k": 1}, version=1)
+    await redeliver_all(amqp, q, 2)
+    listener.take()
+    consumer = budget_consumer(amqp, client, database_name, q)
+    async with running(consumer) as managed:
+        await eventually(lambda: len(outcomes(managed)) == 2, what="the redelivered copies")
+        seen = [c for c in listener.take() if c[0] not in ("createIndexes", "listIndexes")]  # start-up
+    # Concurrency 1: the copies run one after the other, the duplicate first (queue order).
+    assert outcomes(managed) == ["duplicate", "acked"]
+    assert seen == [("findAndModify", RECORDS), *lease_path(1)], seen

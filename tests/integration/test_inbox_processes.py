@@ -131,7 +131,8 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
     common = ["--mongo-uri", mongo_uri, "--amqp", amqp, "--database", database_name, "--queue", q]
     common += ["--handler-id", handler_id, "--lease-seconds", "1.0"]
     async with workers_in(tmp_path) as workers:
-        a = await workers.start("replica-a", *common, "--slow", "60")
+        # A's copy takes the lease claim, as a redelivered copy would: the lease is what this is about.
+        a = await workers.start("replica-a", *common, "--slow", "60", "--claim-in-transaction", "off")
         await workers.wait_for_record("replica-a", "ready")
         await publish(amqp, q, event)
         started = await workers.wait_for_record("replica-a", "handler")
@@ -178,6 +179,56 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
     assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
 
 
+async def test_a_replica_killed_while_claiming_in_its_transaction_leaves_nothing_behind(
+    amqp: str,
+    mongo_uri: str,
+    mongo_client: AsyncMongoClient[Any],
+    database_name: str,
+    names: BrokerNames,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+    tmp_path: Path,
+) -> None:
+    # A first-time copy's record is written by its transaction: killed mid-handler, A leaves
+    # no record at all (its transaction never committed). The redelivered copy takes the lease
+    # claim on B and completes the event once, with no lease expiry to wait for.
+    q = names.queue("killed")
+    handler_id = f"{q}/killed"
+    event = uuid.uuid4()
+    key = f"{handler_id}|{event}"
+    db = mongo_client[database_name]
+    common = ["--mongo-uri", mongo_uri, "--amqp", amqp, "--database", database_name, "--queue", q]
+    common += ["--handler-id", handler_id, "--lease-seconds", "30"]
+    async with workers_in(tmp_path) as workers:
+        a = await workers.start("replica-a", *common, "--slow", "60")
+        await workers.wait_for_record("replica-a", "ready")
+        await publish(amqp, q, event)
+        started = await workers.wait_for_record("replica-a", "handler")
+        assert started["handler"] == str(event)
+        a.send_signal(signal.SIGKILL)
+        assert await a.wait() == -signal.SIGKILL
+        assert await db[RECORDS].count_documents({"_id": key}) == 0  # nothing committed, nothing to expire
+
+        b = await workers.start("replica-b", *common)
+        await workers.wait_for_record("replica-b", "ready")
+
+        async def completed() -> bool:
+            return await db[RECORDS].count_documents({"_id": key, "state": "completed"}) == 1
+
+        await eventually(completed, what="replica B to complete the event", interval=0.05)
+        b.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(b.wait(), 10.0) == 0, workers.stderr("replica-b")
+        final = await workers.wait_for_record("replica-b", "observations")
+
+    assert [o["outcome"] for o in final["observations"]] == ["acked"]
+    assert final["unresolved"] == 0
+    effects = await db[EFFECTS].find({"event_id": str(event)}).to_list()
+    assert [e["pid"] for e in effects] == [b.pid]
+    [completion] = await db[RECORDS].find({"_id": key}).to_list()
+    assert completion["owner"].startswith("replica-b:")
+    assert (completion["state"], completion["token"], completion["acquisitions"]) == ("completed", 1, 1)
+    assert await wait_for_depth(amqp_channel, q, 0) == 0
+
+
 # -- long handlers: the transaction holds the record --------------------------------------------
 
 
@@ -198,7 +249,8 @@ async def test_no_renewal_touches_the_record_while_a_long_handler_transaction_ho
     event = uuid.uuid4()
     key = f"{handler_id}|{event}"
     db = mongo_client[database_name]
-    options = InboxOptions(lease_seconds=1.0, heartbeat_seconds=0.1)
+    # The lease path (a first-time copy claiming in its transaction has no lease to renew).
+    options = InboxOptions(lease_seconds=1.0, heartbeat_seconds=0.1, claim_in_transaction=False)
     loop = asyncio.get_running_loop()
     started: list[float] = []
 

@@ -134,3 +134,41 @@ async def test_renewal_completion_and_release_are_their_transitions(
     expected, matched = lease.release_transition(mine, "me:1", token, now=now, deferred=False)
     assert (result.deleted_count == 1) is fenced is matched
     assert await records.find_one({"_id": "h|e"}) == (None if fenced else mine)
+
+
+@pytest.mark.parametrize("case", list(records_before()))
+async def test_the_claim_in_a_transaction_is_its_transition(
+    mongo_client: AsyncMongoClient[Any], records: Any, case: str
+) -> None:
+    before = records_before()[case]
+    if before is not None:
+        await records.insert_one(before)
+    now = utcnow()
+    async with mongo_client.start_session() as session:
+        await session.start_transaction()
+        found = await records.find_one_and_update(
+            {"_id": "h|e"},
+            lease.first_claim_update("h", "e", "me:1", now=now, retention_seconds=RETENTION),
+            upsert=True,
+            session=session,
+        )
+        await session.commit_transaction()
+    assert found == before  # the record as it was: what read_first_claim reads
+    after = await records.find_one({"_id": "h|e"})
+    written = lease.first_claim_transition(
+        before, key="h|e", handler_id="h", event_id="e", owner="me:1", now=now, retention_seconds=RETENTION
+    )
+    assert after == (written if before is None else before)  # an existing record is never changed
+    assert (
+        lease.read_first_claim(found)
+        is {
+            "absent": lease.FirstClaim.CLAIMED,
+            "held-by-a-live-owner": lease.FirstClaim.CONTENDED,
+            "lease-expired": lease.FirstClaim.CONTENDED,
+            "released-after-a-deferral": lease.FirstClaim.CONTENDED,
+            "completed": lease.FirstClaim.DUPLICATE,
+        }[case]
+    )
+    if before is None:
+        assert (after["state"], after["owner"], after["token"]) == ("completed", "me:1", 1)
+        assert lease.reconcile(after, "me:1", 1) is lease.Reconciled.COMMITTED

@@ -260,7 +260,9 @@ async def test_telemetry_false_emits_no_span(amqp: str, names: BrokerNames, sdk:
 # -- the inbox and the outbox -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
 async def test_an_outbox_event_arrives_in_the_trace_of_the_delivery_that_wrote_it(
+    claim_in_transaction: bool,
     amqp: str,
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
@@ -282,7 +284,7 @@ async def test_an_outbox_event_arrives_in_the_trace_of_the_delivery_that_wrote_i
         mongo_client=mongo_client,
         database=database_name,
         name="telemetry-outbox",
-        inbox=InboxOptions(relay=RelayOptions(poll_interval=0.1)),
+        inbox=InboxOptions(relay=RelayOptions(poll_interval=0.1), claim_in_transaction=claim_in_transaction),
         telemetry=telemetry,
         graceful_timeout=10.0,
     )
@@ -295,17 +297,21 @@ async def test_an_outbox_event_arrives_in_the_trace_of_the_delivery_that_wrote_i
     (event,) = await drain(amqp_channel, down)
 
     delivery = one(spans_of(sdk, SpanKind.CONSUMER))
-    claim = one(spans_of(sdk, name="inbox claim"))
+    # A first-time copy claims inside its attempt's transaction: no claim span of its own.
+    claims = [one(spans_of(sdk, name="inbox claim"))] if not claim_in_transaction else []
+    assert len(spans_of(sdk, name="inbox claim")) == len(claims)
     attempt = one(spans_of(sdk, name="inbox attempt"))
     commit = one(spans_of(sdk, name="inbox commit"))
     relay = one([s for s in spans_of(sdk, SpanKind.PRODUCER) if dict(s.attributes or {})["lily.publish"] == "relay"])
     trace_id = int(TRACE_ID, 16)
-    assert {s.context.trace_id for s in (delivery, claim, attempt, commit, relay)} == {trace_id}
-    assert parent_id(claim) == delivery.context.span_id
+    assert {s.context.trace_id for s in (delivery, *claims, attempt, commit, relay)} == {trace_id}
+    for claim in claims:
+        assert parent_id(claim) == delivery.context.span_id
+        assert dict(claim.attributes or {})["lily.inbox.claim"] == "leased"
     assert parent_id(attempt) == delivery.context.span_id
     assert parent_id(commit) == attempt.context.span_id
     assert parent_id(relay) == attempt.context.span_id  # the context the outbox record stored
-    assert dict(claim.attributes or {})["lily.inbox.claim"] == "leased"
+    assert dict(attempt.attributes or {})["lily.inbox.claim_in_transaction"] == int(claim_in_transaction)
     assert dict(attempt.attributes or {})["lily.inbox.attempt"] == 1
     assert dict(attempt.attributes or {})["lily.inbox.verdict"] == "success"
     assert dict(delivery.attributes or {})["lily.outcome"] == "acked"

@@ -23,7 +23,7 @@ from typing import Any
 from unittest import mock
 
 import lily_mongo.lease as lease
-from lily_mongo.lease import COMPLETED, LEASED, Claim, ClaimKind, ErrorStep, Heartbeat, Reconciled
+from lily_mongo.lease import COMPLETED, LEASED, Claim, ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
 
 Record = Any
 
@@ -38,6 +38,8 @@ next_after_replay = lease.next_after_replay
 reconcile = lease.reconcile
 may_renew = lease.may_renew
 heartbeat_verdict = lease.heartbeat_verdict
+read_first_claim = lease.read_first_claim
+first_claim_transition = lease.first_claim_transition
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,46 @@ def never_lost(*, matched: bool | None, unrenewed_for: float, lease_seconds: flo
     return Heartbeat.RETRY if verdict is Heartbeat.LOST else verdict
 
 
+# -- the claim inside the transaction (first-time copies) ----------------------------------------
+
+
+def contended_as_claimed(before: Record | None) -> FirstClaim:
+    got = read_first_claim(before)
+    return FirstClaim.CLAIMED if got is FirstClaim.CONTENDED else got
+
+
+def duplicate_as_claimed(before: Record | None) -> FirstClaim:
+    got = read_first_claim(before)
+    return FirstClaim.CLAIMED if got is FirstClaim.DUPLICATE else got
+
+
+def contended_as_duplicate(before: Record | None) -> FirstClaim:
+    got = read_first_claim(before)
+    return FirstClaim.DUPLICATE if got is FirstClaim.CONTENDED else got
+
+
+def first_claim_overwrites(record: Record | None, **kwargs: Any) -> dict[str, Any] | None:
+    return first_claim_transition(None, **kwargs)
+
+
+def first_claim_writes_a_lease(record: Record | None, **kwargs: Any) -> dict[str, Any] | None:
+    doc = first_claim_transition(record, **kwargs)
+    return None if doc is None else {**doc, "state": LEASED}
+
+
+def always_in_transaction(*, redelivered: bool, delivery_count: object) -> bool:
+    return True
+
+
+def never_in_transaction(*, redelivered: bool, delivery_count: object) -> bool:
+    return False
+
+
+COST_ONLY = (
+    "claiming inside the transaction is safe for any copy (a record found there, or written meanwhile, sends it "
+    "to the lease claim); which copies do it only changes the commands they cost"
+)
+
 OWNER_UNIQUE = (
     "owner ids are unique per claim (inbox.py draws one per delivery), so the owner alone fences; "
     "the token matters only if an owner id were reused"
@@ -275,6 +317,18 @@ MUTANTS: list[Mutant] = [
         "after it the fence no longer matches or the lease is as before: nothing observable changes",
     ),
     Mutant("heartbeat-never-lost", "heartbeat_verdict", never_lost, (), COMPLETION_FIRST),
+    Mutant("first-claim-contended-as-claimed", "read_first_claim", contended_as_claimed, ("claim-reading",)),
+    Mutant("first-claim-duplicate-as-claimed", "read_first_claim", duplicate_as_claimed, ("claim-reading",)),
+    Mutant("first-claim-contended-as-duplicate", "read_first_claim", contended_as_duplicate, ("claim-reading",)),
+    Mutant("first-claim-overwrites", "first_claim_transition", first_claim_overwrites, ("exclusive-lease",)),
+    Mutant(
+        "first-claim-writes-a-lease",
+        "first_claim_transition",
+        first_claim_writes_a_lease,
+        ("claim-reading", "at-most-once"),
+    ),
+    Mutant("first-claim-for-every-copy", "claims_in_transaction", always_in_transaction, (), COST_ONLY),
+    Mutant("first-claim-never", "claims_in_transaction", never_in_transaction, (), COST_ONLY),
 ]
 
 

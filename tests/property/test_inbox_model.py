@@ -5,7 +5,10 @@ in-memory MongoDB. Every decision a consumer takes is the one :mod:`lily_mongo.l
 takes (``claim_transition`` and the other server-side transitions run as the updates the
 model applies; ``read_claim``, ``classify_error``, ``next_after_replay``, ``reconcile``,
 ``may_renew`` and ``heartbeat_verdict`` decide what the consumer does next), and the
-settlement of its verdict is :func:`lily_mongo.settlement.decide`.
+settlement of its verdict is :func:`lily_mongo.settlement.decide`. A copy delivered for the
+first time claims inside its transaction when the run's ``claim_in_transaction`` says so
+(``claims_in_transaction``, ``first_claim_transition``, ``read_first_claim``): half the
+random runs take that path, the other half (and the lease scenarios) the lease claim first.
 
 The simulated MongoDB keeps what the protocol relies on (SPEC section 5, and MongoDB's
 documented transaction behaviour):
@@ -266,6 +269,7 @@ class Fault(enum.Enum):
 
 
 class Phase(enum.Enum):
+    FIRST = "first"  # a first-time copy: fresh transaction; first operation: the claim that is the completion
     CLAIM = "claim"
     COMPLETION = "completion"  # fresh transaction; first operation: the fenced completion write
     WRITE = "write"  # the handler's next business write
@@ -281,8 +285,8 @@ class Phase(enum.Enum):
 LEASE_PHASES = frozenset({Phase.COMPLETION, Phase.WRITE, Phase.COMMIT, Phase.COMMIT_RETRY, Phase.RECONCILE})
 # Where each fault strikes (a step it does not apply to runs cleanly).
 STRIKES: dict[Fault, frozenset[Phase]] = {
-    Fault.TRANSIENT: frozenset({Phase.COMPLETION, Phase.WRITE, Phase.COMMIT, Phase.COMMIT_RETRY}),
-    Fault.ERROR: frozenset({Phase.CLAIM, Phase.COMPLETION, Phase.WRITE, Phase.COMMIT, Phase.RELEASE}),
+    Fault.TRANSIENT: frozenset({Phase.FIRST, Phase.COMPLETION, Phase.WRITE, Phase.COMMIT, Phase.COMMIT_RETRY}),
+    Fault.ERROR: frozenset({Phase.FIRST, Phase.CLAIM, Phase.COMPLETION, Phase.WRITE, Phase.COMMIT, Phase.RELEASE}),
     Fault.UNKNOWN_APPLIED: frozenset({Phase.COMMIT, Phase.COMMIT_RETRY}),
     Fault.UNKNOWN_PENDING: frozenset({Phase.COMMIT, Phase.COMMIT_RETRY}),
     Fault.RETRYABLE: frozenset({Phase.WRITE, Phase.COMMIT}),
@@ -300,6 +304,7 @@ DRAIN_ORDER = [
     Phase.RELEASE,
     Phase.SETTLE,
     Phase.COMPLETION,
+    Phase.FIRST,
     Phase.CLAIM,
 ]
 
@@ -346,6 +351,7 @@ class Handling:
     counted: bool = False  # its deferral was counted in the record by its own write
     incarnation: int = 0
     fresh_in_drain: bool = False
+    first: bool = False  # claiming inside the transaction: no lease, nothing to renew or release
 
     @property
     def name(self) -> str:
@@ -371,6 +377,7 @@ class Config:
     replay_budget: int
     commit_retries: int
     max_retries: int
+    claim_in_transaction: bool = True
 
 
 @st.composite
@@ -388,6 +395,7 @@ def configs(draw: st.DrawFn) -> Config:
         replay_budget=draw(st.integers(0, 2), label="replay_budget"),
         commit_retries=draw(st.sampled_from([0, 1, 0, 2]), label="commit_retries"),
         max_retries=draw(st.integers(0, 1), label="max_retries"),
+        claim_in_transaction=draw(st.booleans(), label="claim_in_transaction"),
     )
 
 
@@ -612,7 +620,7 @@ class InboxModel(RuleBasedStateMachine):
             self.step(h, Fault.NONE)
 
     def beating(self) -> list[Handling]:
-        return [h for h in self.live() if h.phase in LEASE_PHASES and not h.lost]
+        return [h for h in self.live() if h.phase in LEASE_PHASES and not h.lost and not h.first]
 
     def heartbeat(self, move: Beat) -> None:
         beating = self.beating()
@@ -700,16 +708,23 @@ class InboxModel(RuleBasedStateMachine):
         msg.state = MsgState.IN_FLIGHT
         msg.deliveries += 1
         hid = len(self.handlings) + 1
+        # The broker's redelivered flag: set on every delivery of a copy after its first.
+        first = self.config().claim_in_transaction and lease.claims_in_transaction(
+            redelivered=msg.deliveries > 1, delivery_count=msg.deliveries - 1
+        )
         h = Handling(
             hid=hid,
             consumer=consumer,
             msg=msg,
-            owner=f"c{consumer}:{hid}",  # one owner id per claim, as inbox.py draws a uuid per delivery
+            owner=f"c{consumer}:{hid}",  # one owner id per claim, as inbox.py numbers them per process
             key=self.key_of(msg.event),
             fresh_in_drain=fresh_in_drain,
+            phase=Phase.FIRST if first else Phase.CLAIM,
+            first=first,
         )
         self.handlings.append(h)
-        self.log(f"{h.name} delivered (delivery {msg.deliveries} of m{msg.mid})")
+        how = ", claims in its transaction" if first else ""
+        self.log(f"{h.name} delivered (delivery {msg.deliveries} of m{msg.mid}{how})")
         return h
 
     def requeue(self, msg: Message) -> None:
@@ -728,6 +743,7 @@ class InboxModel(RuleBasedStateMachine):
     def step(self, h: Handling, fault: Fault) -> None:
         assert self.enabled(h)
         {
+            Phase.FIRST: self.first_claim,
             Phase.CLAIM: self.claim,
             Phase.COMPLETION: self.completion,
             Phase.WRITE: self.handler_write,
@@ -751,7 +767,10 @@ class InboxModel(RuleBasedStateMachine):
         h.result = result
         h.holding = False
         self.log(f"{h.name} concludes {result.outcome.value} {result.code or ''}".rstrip())
-        if release is None:
+        if h.first and result.outcome is Outcome.DEFERRED:
+            # No record of its own to count the deferral in: the runtime's counts bound it.
+            h.deferrals, h.counted, h.incarnation = 0, False, self.incarnation[h.msg.event]
+        if release is None or h.first:  # a first-time claim leaves nothing to release
             h.phase = Phase.SETTLE
         else:
             h.release_deferred = release
@@ -760,6 +779,77 @@ class InboxModel(RuleBasedStateMachine):
     def defer_without_release(self, h: Handling, code: str, *, deferrals: int, counted: bool) -> None:
         h.deferrals, h.counted, h.incarnation = deferrals, counted, self.incarnation[h.msg.event]
         self.verdict(h, PipelineResult(Outcome.DEFERRED, code), release=None)
+
+    def take_lease_path(self, h: Handling) -> None:
+        """A first-time copy's replay, or its record contended: the lease claim, as a new owner."""
+        h.first = False
+        h.owner = f"{h.owner}L"
+        h.phase = Phase.CLAIM
+        self.log(f"{h.name} takes the lease claim as {h.owner}")
+
+    def first_claim(self, h: Handling, fault: Fault) -> None:
+        """The claim inside a fresh transaction (its first write): insert the record completed, or find it."""
+        h.attempts += 1
+        txn = self.mongo.begin(h)
+        h.txn = txn
+        h.txns.append(txn)
+        if fault in (Fault.TRANSIENT, Fault.ERROR):
+            self.mongo.abort(txn)
+            labels = TRANSIENT if fault is Fault.TRANSIENT else NO_LABELS
+            self.error(h, labels, in_commit=False, what=f"claim in the transaction failed {sorted(labels)}")
+            return
+        try:
+            before, after = self.mongo.txn_update(
+                txn,
+                h.key,
+                lambda record: lease.first_claim_transition(
+                    record,
+                    key=h.key,
+                    handler_id=HANDLER,
+                    event_id=h.msg.event,
+                    owner=h.owner,
+                    now=self.now,
+                    retention_seconds=RETENTION_SECONDS,
+                ),
+            )
+        except MongoError as exc:
+            self.reached("claim in the transaction: write conflict")
+            self.error(h, exc.labels, in_commit=False, what=exc.what)
+            return
+        self.expect(
+            before is None or after is None,
+            "exclusive-lease",
+            f"{h.name}'s claim in its transaction overwrote {brief(before)} with {brief(after)}",
+        )
+        found = lease.read_first_claim(before)
+        self.log(f"{h.name} claims {h.key} in txn {txn.tid}: {found.value} (found {brief(before)})")
+        self.reached(f"claim in the transaction: {found.value}")
+        if found is lease.FirstClaim.CLAIMED:
+            written = after is not None and after.get("state") == COMPLETED and after.get("owner") == h.owner
+            self.expect(
+                before is None and written, "claim-reading", f"{h.name} read {brief(before)} as absent and claimed it"
+            )
+            h.token = int(after.get("token", 0)) if after is not None else 0
+            h.holding = True
+            h.write = 0
+            h.phase = Phase.WRITE if self.specs[h.msg.event].writes else Phase.COMMIT
+            return
+        self.mongo.abort(txn)
+        if found is lease.FirstClaim.DUPLICATE:
+            self.expect(
+                before is not None and before.get("state") == COMPLETED,
+                "claim-reading",
+                f"{h.name} read {brief(before)} as a duplicate",
+            )
+            self.verdict(h, PipelineResult(Outcome.DUPLICATE), release=None)
+            return
+        self.expect(
+            before is not None and before.get("state") != COMPLETED,
+            "claim-reading",
+            f"{h.name} read {brief(before)} as a lease record",
+        )
+        h.attempts -= 1
+        self.take_lease_path(h)
 
     def claim(self, h: Handling, fault: Fault) -> None:
         cfg = self.config()
@@ -1022,6 +1112,9 @@ class InboxModel(RuleBasedStateMachine):
                 f"{h.name} replays again after {h.replays} replay requests, beyond the budget {cfg.replay_budget}",
             )
             self.log(f"{h.name} replays (replay {h.replays} of {cfg.replay_budget})")
+            if h.first:
+                self.take_lease_path(h)
+                return
             h.phase = Phase.COMPLETION
             return
         self.expect(
@@ -1262,7 +1355,9 @@ test_inbox_protocol_model = pytest.mark.timeout(max(120, EXAMPLES // 10))(InboxM
 
 
 def one_event(copies: int = 2, *, writes: tuple[str, ...] = (), **options: int) -> Config:
+    """One event; first-time copies take the lease claim unless ``claim_in_transaction=True``."""
     base = {
+        "claim_in_transaction": False,
         "consumers": 2,
         "lease_seconds": 2,
         "max_deferrals": 3,
@@ -1368,6 +1463,45 @@ SCENARIOS = [
         [Deliver(0), Step(0, 2, CLEAN), Step(0, 1, Fault.TRANSIENT)],
         "c0/h1(e1#m1) replays (replay 1 of 1)",
         id="failed-commit-replays",
+    ),
+    # -- a first-time copy claims inside its transaction ----------------------------------------
+    pytest.param(
+        one_event(writes=("ledger:e1",), claim_in_transaction=True),
+        # Two first-time copies at once: h1's transaction writes the record first; h2's write of
+        # it conflicts at once (before its handler ran); h2 replays through the lease claim,
+        # which waits for h1's commit and then finds a duplicate.
+        [Deliver(0), Deliver(1), Step(0, 1, CLEAN), Step(1, 1, CLEAN), Step(0, 3, CLEAN), Step(1, 2, CLEAN)],
+        "c1/h2(e1#m2) settles duplicate",
+        id="first-claims-conflict-at-the-write",
+    ),
+    pytest.param(
+        one_event(claim_in_transaction=True),
+        # h1's claim in its transaction fails transiently: its replay takes the lease. A first-time
+        # copy then finds the lease record (contended), takes the lease claim: held, deferred.
+        [Deliver(0), Step(0, 1, Fault.TRANSIENT), Step(0, 1, CLEAN), Deliver(1), Step(1, 2, CLEAN)],
+        "c1/h2(e1#m2) concludes deferred LEASE_HELD",
+        id="first-claim-finds-a-lease",
+    ),
+    pytest.param(
+        one_event(claim_in_transaction=True),
+        [Deliver(0), Step(0, 3, CLEAN), Deliver(1), Step(1, 2, CLEAN)],
+        "c1/h2(e1#m2) settles duplicate",
+        id="first-claim-finds-the-completion",
+    ),
+    pytest.param(
+        one_event(1, claim_in_transaction=True),
+        # The commit applied, its reply was lost: reconciliation recognises this owner's record.
+        [Deliver(0), Step(0, 2, Fault.UNKNOWN_APPLIED), Step(0, 2, CLEAN)],
+        "c0/h1(e1#m1) reconciles from {state=completed, owner=c0:1, token=1",
+        id="first-claim-commit-reply-lost",
+    ),
+    pytest.param(
+        one_event(1, writes=("ledger:e1",), claim_in_transaction=True, max_retries=1),
+        # The handler fails: nothing to release (the record was never committed); the retry copy
+        # is a new message and claims in its transaction again.
+        [Deliver(0), Step(0, 2, Fault.RETRYABLE), Step(0, 1, CLEAN), Deliver(0), Step(0, 4, CLEAN)],
+        "c0/h2(e1#m2) settles success: acked",
+        id="first-claim-handler-fails-then-retry",
     ),
 ]
 

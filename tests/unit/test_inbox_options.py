@@ -32,6 +32,7 @@ from lily_mongo import ConfigError, InboxOptions, RelayOptions
         ({"records": "same", "outbox": "same"}, ("InboxOptions.records", "must differ", "same")),
         ({"passive_indexes": "yes"}, ("InboxOptions.passive_indexes", "yes")),
         ({"run_relay": 1}, ("InboxOptions.run_relay",)),
+        ({"claim_in_transaction": "no"}, ("InboxOptions.claim_in_transaction", "no")),
         ({"relay": {"poll_interval": 1}}, ("InboxOptions.relay", "RelayOptions", "dict")),
     ],
 )

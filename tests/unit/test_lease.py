@@ -24,17 +24,22 @@ from lily_mongo.lease import (
     Claim,
     ClaimKind,
     ErrorStep,
+    FirstClaim,
     Heartbeat,
     Reconciled,
     backoff,
     claim_transition,
+    claims_in_transaction,
     classify_error,
     completion_transition,
     fence,
+    first_claim_transition,
+    first_claim_update,
     heartbeat_verdict,
     may_renew,
     next_after_replay,
     read_claim,
+    read_first_claim,
     reconcile,
     release_transition,
     renewal_transition,
@@ -103,6 +108,67 @@ def complete(record: dict[str, Any] | None, owner: str, token: int, now: datetim
 
 def renew(record: dict[str, Any] | None, owner: str, token: int, now: datetime.datetime) -> dict[str, Any] | None:
     return renewal_transition(record, owner, token, now=now, lease_seconds=LEASE, stale_seconds=STALE)
+
+
+# -- the claim inside the transaction (first-time copies) -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("redelivered", "delivery_count", "expected"),
+    [
+        (False, None, True),  # a copy delivered for the first time
+        (False, 0, True),  # a quorum queue's first delivery
+        (True, None, False),  # redelivered: it probably meets a record
+        (False, 1, False),  # a quorum queue counted an earlier delivery
+        (True, 3, False),
+        (False, "2", True),  # a malformed header says nothing: the flag decides
+    ],
+)
+def test_only_a_copy_delivered_for_the_first_time_claims_in_its_transaction(
+    redelivered: bool, delivery_count: object, expected: bool
+) -> None:
+    assert claims_in_transaction(redelivered=redelivered, delivery_count=delivery_count) is expected
+
+
+def first(record: dict[str, Any] | None, owner: str, now: datetime.datetime) -> dict[str, Any] | None:
+    return first_claim_transition(
+        record, key=KEY, handler_id=HANDLER, event_id=EVENT, owner=owner, now=now, retention_seconds=RETENTION
+    )
+
+
+def test_a_claim_in_the_transaction_inserts_the_record_completed_and_reconcilable() -> None:
+    record = first(None, A, T0)
+    assert record == {
+        "_id": KEY,
+        "handler": HANDLER,
+        "event_id": EVENT,
+        "state": "completed",
+        "owner": A,
+        "token": 1,
+        "acquisitions": 1,
+        "deferrals": 0,
+        "completed_at": T0,
+        "purge_at": at(RETENTION),
+    }
+    assert first_claim_update(HANDLER, EVENT, A, now=T0, retention_seconds=RETENTION) == {
+        "$setOnInsert": {k: v for k, v in record.items() if k != "_id"}
+    }
+    assert read_first_claim(None) is FirstClaim.CLAIMED
+    assert reconcile(record, A, 1) is Reconciled.COMMITTED  # an unknown commit result is recognised
+    assert reconcile(record, B, 1) is Reconciled.DUPLICATE
+    assert read_claim(record, B).kind is ClaimKind.DUPLICATE  # a later lease claim sees a duplicate
+
+
+def test_a_claim_in_the_transaction_never_changes_an_existing_record() -> None:
+    leased = claim(None, B, T0)
+    completed = complete(leased, B, 1, at(1))
+    released, _ = release_transition(claim(None, C, T0), C, 1, now=at(1), deferred=True)
+    assert first(leased, A, at(2)) is None
+    assert first(completed, A, at(2)) is None
+    assert first(released, A, at(2)) is None
+    assert read_first_claim(completed) is FirstClaim.DUPLICATE
+    assert read_first_claim(leased) is FirstClaim.CONTENDED
+    assert read_first_claim(released) is FirstClaim.CONTENDED  # released, or expired: the lease claim decides
 
 
 # -- claim --------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ async def run(args: argparse.Namespace) -> None:
         mongo_client=client,
         database=args.database,
         name=args.name,
-        inbox=InboxOptions(lease_seconds=args.lease_seconds),
+        inbox=InboxOptions(lease_seconds=args.lease_seconds, claim_in_transaction=args.claim_in_transaction == "on"),
         graceful_timeout=5.0,
         owns_mongo_client=True,
     )
@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--database", required=True)
     parser.add_argument("--queue", required=True)
     parser.add_argument("--handler-id", required=True)
+    parser.add_argument("--claim-in-transaction", choices=("on", "off"), default="on")
     parser.add_argument("--name", required=True)
     parser.add_argument("--lease-seconds", type=float, default=1.0)
     parser.add_argument("--slow", type=float, default=0.0)
