@@ -780,6 +780,21 @@ class InboxModel(RuleBasedStateMachine):
         h.deferrals, h.counted, h.incarnation = deferrals, counted, self.incarnation[h.msg.event]
         self.verdict(h, PipelineResult(Outcome.DEFERRED, code), release=None)
 
+    def begin_attempt(self, h: Handling, fault: Fault, first_write: str) -> Txn | None:
+        """A fresh attempt's transaction, or None when ``fault`` failed its first write (handled)."""
+        h.attempts += 1
+        cfg = self.config()
+        self.expect(h.attempts <= cfg.replay_budget + 1, "replay", f"{h.name} starts attempt {h.attempts}")
+        txn = self.mongo.begin(h)
+        h.txn = txn
+        h.txns.append(txn)
+        if fault not in (Fault.TRANSIENT, Fault.ERROR):
+            return txn
+        self.mongo.abort(txn)
+        labels = TRANSIENT if fault is Fault.TRANSIENT else NO_LABELS
+        self.error(h, labels, in_commit=False, what=f"{first_write} failed {sorted(labels)}")
+        return None
+
     def take_lease_path(self, h: Handling) -> None:
         """A first-time copy's replay, or its record contended: the lease claim, as a new owner."""
         h.first = False
@@ -789,14 +804,8 @@ class InboxModel(RuleBasedStateMachine):
 
     def first_claim(self, h: Handling, fault: Fault) -> None:
         """The claim inside a fresh transaction (its first write): insert the record completed, or find it."""
-        h.attempts += 1
-        txn = self.mongo.begin(h)
-        h.txn = txn
-        h.txns.append(txn)
-        if fault in (Fault.TRANSIENT, Fault.ERROR):
-            self.mongo.abort(txn)
-            labels = TRANSIENT if fault is Fault.TRANSIENT else NO_LABELS
-            self.error(h, labels, in_commit=False, what=f"claim in the transaction failed {sorted(labels)}")
+        txn = self.begin_attempt(h, fault, "claim in the transaction")
+        if txn is None:
             return
         try:
             before, after = self.mongo.txn_update(
@@ -923,16 +932,8 @@ class InboxModel(RuleBasedStateMachine):
         if h.lost:
             self.lose(h)
             return
-        h.attempts += 1
-        cfg = self.config()
-        self.expect(h.attempts <= cfg.replay_budget + 1, "replay", f"{h.name} starts attempt {h.attempts}")
-        txn = self.mongo.begin(h)
-        h.txn = txn
-        h.txns.append(txn)
-        if fault in (Fault.TRANSIENT, Fault.ERROR):
-            self.mongo.abort(txn)
-            labels = TRANSIENT if fault is Fault.TRANSIENT else NO_LABELS
-            self.error(h, labels, in_commit=False, what=f"completion write failed {sorted(labels)}")
+        txn = self.begin_attempt(h, fault, "completion write")
+        if txn is None:
             return
         try:
             before, after = self.mongo.txn_update(
