@@ -65,6 +65,7 @@ class Message:
     routing_key = QUEUE
     exchange = ""
     message_id = None
+    malformed = None
     channel = _Channel()
 
     def __init__(self, headers: dict[str, Any], body: bytes) -> None:
