@@ -1,6 +1,6 @@
 """Telemetry's CPU per delivery in the engine alone: no broker, no network, so the figure is steady.
 
-Run: ``python benchmarks/bench_telemetry.py [--messages 2500] [--rounds 7]``
+Run: ``python benchmarks/bench_telemetry.py [--messages 2500] [--rounds 7] [--traceparent]``
 
 A ``Runtime`` fed through its in-process seam (``Runtime.deliver``) runs an
 at-least-once no-op ``Json[Item]`` handler over prepared messages whose ACK
@@ -31,6 +31,7 @@ import asyncio
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +98,13 @@ async def handle(item: Json[Item]) -> None:
     pass
 
 
-def messages(count: int) -> list[Message]:
+def messages(count: int, *, traced: bool = False) -> list[Message]:
+    """``traced``: each carries a sampled ``traceparent`` of its own, as from a traced producer."""
     out = []
     for i in range(count):
-        publication = prepare_publication(JSON, QUEUE, {"id": i, "sku": f"SKU-{i % 97}", "qty": 1}, version=1)
+        traceparent = f"00-{uuid.uuid4().hex}-{uuid.uuid4().hex[:16]}-01" if traced else None
+        payload = {"id": i, "sku": f"SKU-{i % 97}", "qty": 1}
+        publication = prepare_publication(JSON, QUEUE, payload, version=1, traceparent=traceparent)
         out.append(Message(dict(publication.headers), publication.body))
     return out
 
@@ -183,7 +187,7 @@ async def bench(args: argparse.Namespace) -> int:
         "two histogram records": "histograms",
         "both (the floor per delivery)": "both",
     }
-    batch = messages(args.messages + 200)
+    batch = messages(args.messages + 200, traced=args.traceparent)
     results: dict[str, list[float]] = {name: [] for name in [*variants, *floors]}
     for _ in range(args.rounds):
         for name, telemetry in variants.items():
@@ -191,7 +195,10 @@ async def bench(args: argparse.Namespace) -> int:
         for name, part in floors.items():
             results[name].append(floor.cpu_per_delivery(part, batch[200:]))
     base = statistics.median(results["off"])
-    print(f"engine CPU per delivery, {args.messages} deliveries x {args.rounds} rounds (medians; min in brackets)")
+    traced = ", each with a traceparent" if args.traceparent else ""
+    print(
+        f"engine CPU per delivery, {args.messages} deliveries{traced} x {args.rounds} rounds (medians; min in brackets)"
+    )
     for name in variants:
         median = statistics.median(results[name])
         print(f"  {name:<32} {median:6.1f} us (+{median - base:5.1f})  [{min(results[name]):.1f}]")
@@ -206,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--messages", type=int, default=2500, help="deliveries per measurement (default 2500)")
     parser.add_argument("--rounds", type=int, default=7, help="rounds of every variant (default 7)")
+    parser.add_argument(
+        "--traceparent",
+        action="store_true",
+        help="deliveries carry a sampled traceparent (a traced producer; the sampler then follows it)",
+    )
     return asyncio.run(bench(parser.parse_args(argv)))
 
 
