@@ -554,6 +554,9 @@ def _aware(moment: datetime.datetime) -> datetime.datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=datetime.UTC)
 
 
+_TRACESTATE_BYTES = BOUNDS.tracestate_bytes
+
+
 def _parent_context(headers: Mapping[str, Any]) -> Context:
     """The context a delivery's (or an outbox record's) trace headers continue; empty without a valid one.
 
@@ -576,9 +579,6 @@ def _parent_context(headers: Mapping[str, Any]) -> Context:
         TraceState.from_header([state]) if type(state) is str and 0 < len(state) <= _TRACESTATE_BYTES else None,
     )
     return otel_trace.set_span_in_context(NonRecordingSpan(span_context), _EMPTY)
-
-
-_TRACESTATE_BYTES = BOUNDS.tracestate_bytes
 
 
 def _inject(carrier: dict[str, Any], span_context: SpanContext) -> None:
