@@ -48,6 +48,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import aio_pika.abc
@@ -99,6 +100,12 @@ async def ready(channel: aio_pika.abc.AbstractChannel, name: str) -> int:
 def sdk_telemetry(sample: float = 1.0) -> Telemetry:
     """The OpenTelemetry SDK as a service would set it up, with exporters that discard everything;
     ``sample`` < 1 samples that share of new traces (``ParentBased(TraceIdRatioBased(sample))``)."""
+    tracer_provider, meter_provider = sdk_providers(sample)
+    return Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
+
+
+def sdk_providers(sample: float = 1.0) -> tuple[Any, Any]:
+    """The SDK's tracer and meter providers of :func:`sdk_telemetry`."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import (
         MetricExporter,
@@ -129,7 +136,7 @@ def sdk_telemetry(sample: float = 1.0) -> Telemetry:
     tracer_provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(sample)))
     tracer_provider.add_span_processor(BatchSpanProcessor(Spans()))
     meter_provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(Metrics(), 10_000)])
-    return Telemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
+    return tracer_provider, meter_provider
 
 
 @dataclass

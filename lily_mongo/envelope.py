@@ -51,6 +51,7 @@ __all__ = [
     "check_content_kind",
     "is_canonical_uuid",
     "sanitize_headers",
+    "valid_traceparent",
     "validate_envelope",
 ]
 
@@ -255,7 +256,9 @@ def _check_metadata(headers: Mapping[str, object]) -> None:
         )
 
 
-def _valid_traceparent(text: str) -> bool:
+def valid_traceparent(text: str) -> bool:
+    """True for a W3C ``traceparent`` a receiver continues (SPEC section 4): lower-case hex
+    fields of the version-00 lengths, a version other than ``ff``, no all-zero id."""
     return _TRACEPARENT_RE.fullmatch(text) is not None
 
 
@@ -331,7 +334,7 @@ def _accept_common(headers: dict[str, object]) -> Envelope | None:
     traceparent = headers.get(TRACEPARENT_HEADER)
     tracestate = headers.get(TRACESTATE_HEADER)
     if traceparent is not None and (
-        type(traceparent) is not str or len(traceparent) > _TRACEPARENT_BYTES or not _valid_traceparent(traceparent)
+        type(traceparent) is not str or len(traceparent) > _TRACEPARENT_BYTES or not valid_traceparent(traceparent)
     ):
         return None
     if tracestate is not None and (type(tracestate) is not str or len(tracestate) > _TRACESTATE_BYTES):
@@ -402,7 +405,7 @@ def validate_envelope(
 
     traceparent = _optional_trace(headers, TRACEPARENT_HEADER, BOUNDS.traceparent_bytes)
     tracestate = _optional_trace(headers, TRACESTATE_HEADER, BOUNDS.tracestate_bytes)
-    if traceparent is not None and not _valid_traceparent(traceparent):
+    if traceparent is not None and not valid_traceparent(traceparent):
         # W3C Trace Context: a receiver ignores a malformed traceparent (and its tracestate);
         # both stay bounded above because they are copied on handoff.
         traceparent = None

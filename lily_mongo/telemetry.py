@@ -42,7 +42,8 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .envelope import TRACEPARENT_HEADER, TRACESTATE_HEADER, validate_envelope
+from .bounds import BOUNDS
+from .envelope import TRACEPARENT_HEADER, TRACESTATE_HEADER, valid_traceparent, validate_envelope
 from .errors import ConfigError, EnvelopeError, ErrorCode
 from .observe import Snapshot
 
@@ -50,9 +51,15 @@ try:
     from opentelemetry import context as otel_context
     from opentelemetry import metrics as otel_metrics
     from opentelemetry import trace as otel_trace
-    from opentelemetry.propagators.textmap import Getter
-    from opentelemetry.trace import SpanKind, Status, StatusCode
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    from opentelemetry.trace import (
+        NonRecordingSpan,
+        SpanContext,
+        SpanKind,
+        Status,
+        StatusCode,
+        TraceFlags,
+        TraceState,
+    )
 
     AVAILABLE = True
 except ModuleNotFoundError:  # pragma: no cover - exercised only without the otel extra
@@ -134,25 +141,6 @@ class _Histogram:
             HistogramData(labels, self.bounds, tuple(counts), total, count)
             for labels, (counts, total, count) in list(self.series.items())
         ]
-
-
-class _HeaderGetter:
-    """Reads trace headers from an AMQP header table: text values only (a byte-array or
-    numeric ``traceparent`` is invalid, and the propagator then starts a new trace)."""
-
-    def get(self, carrier: Mapping[str, Any], key: str) -> list[str] | None:
-        value = carrier.get(key)
-        return [value] if type(value) is str else None
-
-    def keys(self, carrier: Mapping[str, Any]) -> list[str]:
-        return list(carrier)
-
-
-if AVAILABLE:
-    _GETTER: Getter[Mapping[str, Any]] = _HeaderGetter()  # type: ignore[assignment]
-    # The W3C format is the message contract (SPEC sections 2 and 4 bound exactly these two
-    # headers), so it is used whatever global propagator the application configured.
-    _PROPAGATOR = TraceContextTextMapPropagator()
 
 
 SnapshotSource = Callable[[], tuple[Snapshot, tuple[str, ...]]]
@@ -332,7 +320,7 @@ class Telemetry:
 
     def delivery_started(self, queue: str, headers: Mapping[str, Any]) -> DeliveryTrace:
         """Start the delivery's ``CONSUMER`` span (continuing its trace context) and make it current."""
-        parent = _PROPAGATOR.extract(headers, _EMPTY, _GETTER) if TRACEPARENT_HEADER in headers else _EMPTY
+        parent = _parent_context(headers)
         started = self._started.get(queue)
         if started is None:
             started = self._started[queue] = (
@@ -345,8 +333,8 @@ class Telemetry:
                 },
             )
         span = self._tracer.start_span(started[0], parent, SpanKind.CONSUMER, started[1])
-        token = otel_context.attach(otel_trace.set_span_in_context(span, parent))
-        return DeliveryTrace(self, queue, span, token)
+        context = otel_trace.set_span_in_context(span, parent)
+        return DeliveryTrace(self, queue, span, context, otel_context.attach(context))
 
     def _finished(self, trace: DeliveryTrace, outcome: str, duration: float) -> None:
         key = (trace.queue, outcome)
@@ -360,7 +348,8 @@ class Telemetry:
             }
         instruments = self._instruments
         labels = (("queue", trace.queue), ("outcome", outcome))
-        instruments.process_duration.record(duration, attributes)
+        # The delivery's context, passed rather than looked up: an exemplar filter sees its span.
+        instruments.process_duration.record(duration, attributes, trace.context)
         self.process_duration.record(labels, duration)
         if trace.handler_seconds is not None:
             queue_attributes = self._queue_attributes.get(trace.queue)
@@ -369,7 +358,7 @@ class Telemetry:
                     "messaging.system": SYSTEM,
                     "messaging.destination.name": trace.queue,
                 }
-            instruments.handler_duration.record(trace.handler_seconds, queue_attributes)
+            instruments.handler_duration.record(trace.handler_seconds, queue_attributes, trace.context)
             self.handler_duration.record(labels[:1], trace.handler_seconds)
 
     # -- inbox steps ------------------------------------------------------------------------------
@@ -403,7 +392,7 @@ class Telemetry:
     def trace_headers(self) -> dict[str, str]:
         """The current span's ``traceparent`` (and ``tracestate``): what an outbox record stores."""
         carrier: dict[str, str] = {}
-        _PROPAGATOR.inject(carrier)
+        _inject(carrier, otel_trace.get_current_span().get_span_context())
         return carrier
 
     async def produce(
@@ -425,9 +414,9 @@ class Telemetry:
         outbox record's creation) records the relay lag once confirmed.
         """
         if parent is not None:
-            context: Context | None = otel_trace.set_span_in_context(parent.span)
+            context: Context | None = parent.context
         elif TRACEPARENT_HEADER in headers:
-            context = _PROPAGATOR.extract(headers, _EMPTY, _GETTER)
+            context = _parent_context(headers)
         else:
             context = None
         destination = exchange or routing_key
@@ -443,9 +432,7 @@ class Telemetry:
             span_attributes.update(attributes)
         span = self._tracer.start_span(f"publish {destination}", context, SpanKind.PRODUCER, span_attributes)
         try:
-            with otel_trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
-                carrier = _with_trace_context(headers)
-            await send(carrier)
+            await send(_with_trace_context(headers, span.get_span_context()))
         except BaseException as exc:
             _fail(span, exc)
             raise
@@ -459,15 +446,16 @@ class Telemetry:
 
 
 class DeliveryTrace:
-    """One delivery's span, its context token and its timings; ended by :meth:`finish`."""
+    """One delivery's span, the context it is current in, its token and its timings; ended by :meth:`finish`."""
 
-    __slots__ = ("_telemetry", "_token", "handler_seconds", "queue", "span", "started")
+    __slots__ = ("_telemetry", "_token", "context", "handler_seconds", "queue", "span", "started")
 
-    def __init__(self, telemetry: Telemetry, queue: str, span: Span, token: object) -> None:
+    def __init__(self, telemetry: Telemetry, queue: str, span: Span, context: Context, token: object) -> None:
         self._telemetry = telemetry
         self._token: object | None = token
         self.queue = queue
         self.span = span
+        self.context = context
         self.started = time.monotonic()
         self.handler_seconds: float | None = None
 
@@ -566,8 +554,46 @@ def _aware(moment: datetime.datetime) -> datetime.datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=datetime.UTC)
 
 
-def _with_trace_context(headers: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``headers`` carrying the current span's trace context.
+_TRACESTATE_BYTES = BOUNDS.tracestate_bytes
+
+
+def _parent_context(headers: Mapping[str, Any]) -> Context:
+    """The context a delivery's (or an outbox record's) trace headers continue; empty without a valid one.
+
+    The W3C format is the message contract (SPEC sections 2 and 4 bound exactly these two
+    headers), so it is read whatever global propagator the application configured, with the
+    envelope's validity rule: text only (a byte-array or numeric value is invalid), no ``ff``
+    version, no all-zero id. A ``tracestate`` counts only with a valid ``traceparent`` and
+    within its bound. The W3C propagator's ``extract`` gives the same context and takes
+    about twice as long (4.9 against 2.8 µs per delivery with a ``traceparent``, ``timeit``).
+    """
+    text = headers.get(TRACEPARENT_HEADER)
+    if type(text) is not str or not valid_traceparent(text):
+        return _EMPTY
+    state = headers.get(TRACESTATE_HEADER)
+    span_context = SpanContext(
+        int(text[3:35], 16),
+        int(text[36:52], 16),
+        True,
+        TraceFlags(int(text[53:55], 16)),
+        TraceState.from_header([state]) if type(state) is str and 0 < len(state) <= _TRACESTATE_BYTES else None,
+    )
+    return otel_trace.set_span_in_context(NonRecordingSpan(span_context), _EMPTY)
+
+
+def _inject(carrier: dict[str, Any], span_context: SpanContext) -> None:
+    """Write ``span_context`` as W3C ``traceparent`` (and ``tracestate`` when it has one) into ``carrier``."""
+    if not span_context.is_valid:
+        return
+    carrier[TRACEPARENT_HEADER] = (
+        f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{span_context.trace_flags:02x}"
+    )
+    if span_context.trace_state:
+        carrier[TRACESTATE_HEADER] = span_context.trace_state.to_header()
+
+
+def _with_trace_context(headers: Mapping[str, Any], span_context: SpanContext) -> dict[str, Any]:
+    """A copy of ``headers`` carrying ``span_context`` (a publish's ``PRODUCER`` span).
 
     A ``traceparent`` already there is replaced (same size). One that was absent is
     added only while the table stays within the metadata bounds a consumer enforces
@@ -575,7 +601,7 @@ def _with_trace_context(headers: Mapping[str, Any]) -> dict[str, Any]:
     """
     carrier = dict(headers)
     carrier.pop(TRACESTATE_HEADER, None)
-    _PROPAGATOR.inject(carrier)
+    _inject(carrier, span_context)
     if TRACEPARENT_HEADER in headers:
         return carrier
     try:

@@ -66,6 +66,12 @@ def finished(providers: tuple[InMemorySpanExporter, TracerProvider, MeterProvide
         (TRACEPARENT, True),
         (TRACEPARENT.encode(), False),  # a byte array is not text: ignored
         (f"00-{TRACE_ID}-0000000000000000-01", False),  # all-zero parent id
+        (f"00-{'0' * 32}-00f067aa0ba902b7-01", False),  # all-zero trace id
+        (f"ff-{TRACE_ID}-00f067aa0ba902b7-01", False),  # version ff is invalid
+        (TRACEPARENT.upper(), False),  # W3C hex is lower case
+        (f"00-{TRACE_ID}-00f067aa0ba902b7-01-extra", False),
+        (f" {TRACEPARENT}", False),
+        (f"7f-{TRACE_ID}-00f067aa0ba902b7-01", True),  # a later version of the same shape
         ("garbage", False),
         (None, False),
     ],
@@ -84,6 +90,35 @@ def test_a_delivery_continues_only_a_valid_text_traceparent(
     assert span.kind is SpanKind.CONSUMER
     assert (span.context.trace_id == int(TRACE_ID, 16)) is continued
     assert (span.parent is not None) is continued
+
+
+def test_a_delivery_keeps_the_parents_flags_and_tracestate(
+    telemetry: Telemetry, providers: tuple[InMemorySpanExporter, TracerProvider, MeterProvider]
+) -> None:
+    unsampled = f"00-{TRACE_ID}-00f067aa0ba902b7-00"
+    trace = telemetry.delivery_started("orders", {"traceparent": unsampled, "tracestate": "congo=t61rcWkgMzE"})
+    context = trace.span.get_span_context()
+    trace.finish(None, None, "acked", None, Execution(PipelineResult(Outcome.SUCCESS), attempts=1))
+    trace.detach()
+    # The default sampler is parent-based: an unsampled parent leaves the delivery unrecorded.
+    assert not finished(providers)
+    assert context.trace_id == int(TRACE_ID, 16)
+    assert not context.trace_flags.sampled
+    assert context.trace_state.to_header() == "congo=t61rcWkgMzE"
+
+    trace = telemetry.delivery_started("orders", {"traceparent": TRACEPARENT, "tracestate": "congo=t61rcWkgMzE"})
+    sent: list[dict[str, Any]] = []
+
+    async def send(traced: dict[str, Any]) -> None:
+        sent.append(traced)
+
+    asyncio.run(trace.handoff(send, "orders.retry", {"tracestate": "stale=1"}, dead_letter=False, code="X"))
+    trace.finish(None, None, "retried", "X", Execution(PipelineResult(Outcome.RETRYABLE, "X"), attempts=1))
+    trace.detach()
+    producer, consumer = finished(providers)
+    assert producer.parent.span_id == consumer.context.span_id
+    assert sent[0]["traceparent"] == f"00-{TRACE_ID}-{producer.context.span_id:016x}-01"
+    assert sent[0]["tracestate"] == "congo=t61rcWkgMzE"
 
 
 def test_unresolved_and_dead_lettered_outcomes_end_with_error_status(
