@@ -380,6 +380,10 @@ class AckCoalescer:
         async with self._lock:
             if self._dropped is None:
                 await self._write(forced=True)
+            if self._dropped is not None:  # revoked or lost while the ACKs before it were written
+                raise aiormq.exceptions.ChannelInvalidStateError(
+                    f"no frame is written on this channel ({self._dropped})"
+                )
             await write()
         # Settled only once written: until then no multiple ACK may reach past it.
         if tag > self._floor:

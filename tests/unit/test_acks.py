@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lily_mongo._acks import AckFlush, TagState, plan_flush
 
-O, M, S = TagState.OUTSTANDING, TagState.MARKED, TagState.SETTLED
+OUT, M, S = TagState.OUTSTANDING, TagState.MARKED, TagState.SETTLED
 
 
 def ledger(*states: TagState, floor: int = 0) -> dict[int, TagState]:
@@ -16,25 +16,25 @@ def test_a_contiguous_run_of_marks_is_one_multiple_ack_naming_its_highest_tag() 
 
 
 def test_one_mark_is_a_single_ack() -> None:
-    assert plan_flush(0, ledger(M, O), forced=False) == AckFlush(None, (1,), 1, (1,))
+    assert plan_flush(0, ledger(M, OUT), forced=False) == AckFlush(None, (1,), 1, (1,))
 
 
 def test_the_run_stops_at_the_first_outstanding_tag() -> None:
     # 3 is still running: 4 and 5 wait (not forced) ...
-    assert plan_flush(0, ledger(M, M, O, M, M), forced=False) == AckFlush(2, (), 2, (1, 2))
+    assert plan_flush(0, ledger(M, M, OUT, M, M), forced=False) == AckFlush(2, (), 2, (1, 2))
     # ... or get single ACKs (forced): never a multiple ACK reaching over 3.
-    assert plan_flush(0, ledger(M, M, O, M, M), forced=True) == AckFlush(2, (4, 5), 2, (1, 2, 4, 5))
+    assert plan_flush(0, ledger(M, M, OUT, M, M), forced=True) == AckFlush(2, (4, 5), 2, (1, 2, 4, 5))
 
 
 def test_nothing_to_write_when_the_lowest_tag_is_outstanding() -> None:
-    assert plan_flush(0, ledger(O, M), forced=False) == AckFlush(None, (), 0, ())
+    assert plan_flush(0, ledger(OUT, M), forced=False) == AckFlush(None, (), 0, ())
 
 
 def test_settled_tags_extend_the_run_but_are_never_named() -> None:
     # 2 was NACKed on its own, 5 single-ACKed earlier: the frame names 4, the highest mark.
     assert plan_flush(0, ledger(M, S, M, M, S), forced=False) == AckFlush(4, (), 5, (1, 3, 4))
     # Only settled tags: the floor moves, no frame.
-    assert plan_flush(0, ledger(S, S, O), forced=True) == AckFlush(None, (), 2, ())
+    assert plan_flush(0, ledger(S, S, OUT), forced=True) == AckFlush(None, (), 2, ())
 
 
 def test_a_gap_in_the_numbering_counts_as_outstanding() -> None:
@@ -50,7 +50,7 @@ def test_the_run_starts_above_the_floor() -> None:
 
 
 def test_the_ledger_is_not_changed() -> None:
-    tags = ledger(M, O, M)
+    tags = ledger(M, OUT, M)
     before = dict(tags)
     plan_flush(0, tags, forced=True)
     assert tags == before
