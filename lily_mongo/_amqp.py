@@ -515,6 +515,8 @@ MALFORMED_HEADER = f"x-lily-malformed-{secrets.token_hex(16)}"
 _FRAME_HEAD = 7  # type (1), channel (2), payload size (4)
 _FRAME_METHOD = 1
 _FRAME_HEADER = 2
+_FRAME_BODY = 3
+_FRAME_HEARTBEAT = 8
 _DELIVER = spec.Basic.Deliver.index.to_bytes(4)
 _GET_OK = spec.Basic.GetOk.index.to_bytes(4)
 # The Basic.Properties layout, in wire order: (name, flag bit, pamqp type).
@@ -535,8 +537,12 @@ class LenientFrameReader:
     """One connection's incoming byte stream, as aiormq's frame receiver reads it.
 
     The receiver reads each frame in three calls (1 byte, 6 bytes, then the payload
-    and the frame end). Method frames and content headers are read whole first, so
-    they can be checked; body frames and heartbeats pass straight through.
+    and the frame end). The reader reads the socket in large chunks instead and
+    serves those calls from what it has checked: method frames and content
+    headers are checked whole before they are handed out, body frames and
+    heartbeats pass straight through. Reading in chunks also costs fewer calls
+    than the receiver's three reads per frame from the socket's stream (about
+    three deliveries arrive per chunk at full speed; bench_peers.py).
 
     Checking costs one scan per content header: the short strings and the header
     table are tested for plain ASCII (the common case: then pamqp decodes them).
@@ -546,52 +552,83 @@ class LenientFrameReader:
     only its text can be undecodable.
     """
 
-    __slots__ = ("_layouts", "_passthrough", "_pending", "_problems", "_reader")
+    __slots__ = ("_layouts", "_out", "_problems", "_reader", "_rest", "_skip", "_unread")
+
+    _CHUNK = 256 * 1024
 
     def __init__(self, reader: asyncio.StreamReader) -> None:
         self._reader = reader
-        self._pending = b""  # the part of the current frame not handed out yet
-        self._passthrough = False  # the rest of the current frame comes straight from the socket
+        self._out = b""  # checked bytes not handed out yet, from offset _unread
+        self._unread = 0
+        self._rest = b""  # bytes read from the socket, not checked yet
+        self._skip = 0  # bytes of the current body frame (or of a stream we do not parse) to pass through
         self._problems: dict[int, str] = {}  # channel -> what its rewritten basic.deliver held
         self._layouts: dict[int, tuple[str, ...]] = {}  # property flags -> types present (a handful occur)
 
     def at_eof(self) -> bool:
-        return not self._pending and not self._passthrough and self._reader.at_eof()
+        return self._unread == len(self._out) and not self._rest and self._reader.at_eof()
 
     async def read(self, n: int = -1) -> bytes:
-        if self._pending:
-            data, self._pending = self._pending, b""
+        if self._unread < len(self._out) or self._rest:
+            self._check()
+            data, self._out, self._unread = self._out[self._unread :], b"", 0
+            if self._rest:  # an incomplete frame: hand it out as it is
+                data, self._rest, self._skip = data + self._rest, b"", 0
             return data
         return await self._reader.read(n)
 
     async def readexactly(self, n: int) -> bytes:
-        if not self._pending:
-            if self._passthrough:
-                self._passthrough = False
-                return await self._reader.readexactly(n)
-            self._pending = await self._next_frame()
-        pending = self._pending
-        if n < len(pending):
-            self._pending = pending[n:]
-            return pending[:n]
-        self._pending = b""
-        if n == len(pending):
-            return pending
-        self._passthrough = False
-        return pending + await self._reader.readexactly(n - len(pending))
+        start = self._unread
+        end = start + n
+        if end <= len(self._out):
+            self._unread = end
+            return self._out[start:end]
+        while True:
+            self._check()
+            if n <= len(self._out) - self._unread:
+                return await self.readexactly(n)
+            chunk = await self._reader.read(self._CHUNK)
+            if not chunk:
+                partial = self._out[self._unread :] + self._rest
+                self._out, self._unread, self._rest = b"", 0, b""
+                raise asyncio.IncompleteReadError(partial, n)
+            self._rest += chunk
 
-    async def _next_frame(self) -> bytes:
-        head = await self._reader.readexactly(_FRAME_HEAD)
-        kind = head[0]
-        if kind != _FRAME_METHOD and kind != _FRAME_HEADER:
-            # A body frame or a heartbeat (or the broker's protocol header): hand it through.
-            self._passthrough = True
-            return head
-        frame = head + await self._reader.readexactly(int.from_bytes(head[3:7]) + 1)
-        channel = int.from_bytes(head[1:3])
-        if kind == _FRAME_METHOD:
-            return self._method(frame, channel)
-        return self._content_header(frame, channel)
+    def _check(self) -> None:
+        """Move every complete frame of ``_rest`` (checked, rewritten if needed) to ``_out``."""
+        data = self._rest
+        if not data:
+            return
+        parts = [self._out[self._unread :]]
+        offset, size = 0, len(data)
+        while offset < size:
+            if self._skip:
+                take = min(self._skip, size - offset)
+                parts.append(data[offset : offset + take])
+                offset += take
+                self._skip -= take
+                continue
+            if size - offset < _FRAME_HEAD:
+                break
+            kind = data[offset]
+            if kind in (_FRAME_METHOD, _FRAME_HEADER):
+                end = offset + _FRAME_HEAD + int.from_bytes(data[offset + 3 : offset + 7]) + 1
+                if end > size:
+                    break
+                frame = data[offset:end]
+                channel = int.from_bytes(data[offset + 1 : offset + 3])
+                parts.append(
+                    self._method(frame, channel) if kind == _FRAME_METHOD else self._content_header(frame, channel)
+                )
+                offset = end
+            elif kind in (_FRAME_BODY, _FRAME_HEARTBEAT):
+                self._skip = _FRAME_HEAD + int.from_bytes(data[offset + 3 : offset + 7]) + 1
+            else:
+                # Not a frame (the broker's protocol header, say): hand the rest through as it
+                # is and leave the verdict to aiormq.
+                self._skip = 1 << 62
+        self._rest = data[offset:] if offset else data
+        self._out, self._unread = b"".join(parts), 0
 
     def _method(self, frame: bytes, channel: int) -> bytes:
         method = frame[7:11]
