@@ -337,6 +337,7 @@ class AckCoalescer:
         "_marked",
         "_since",
         "_spawn",
+        "_stuck",
         "_tags",
         "_waiters",
         "channel",
@@ -352,6 +353,7 @@ class AckCoalescer:
         self._waiters: dict[int, asyncio.Future[None]] = {}  # marked tags -> their ack() waiting
         self._marked = 0  # tags MARKED and not written yet
         self._since = 0.0  # loop time of the oldest mark not written yet
+        self._stuck = 0  # the running delivery that blocked the last forced flush
         self._flusher: object | None = None
         self._lock = asyncio.Lock()  # held while frames are written: they reach the socket in order
         self._dropped: BaseException | None = None
@@ -411,7 +413,11 @@ class AckCoalescer:
         try:
             while self._marked and self._dropped is None:
                 async with self._lock:
-                    written = await self._write(forced=loop.time() - self._since >= self.delay)
+                    # Forced once the oldest mark waited ``delay``, or at once when the delivery
+                    # blocking the run already held up an earlier flush (a long handler: do not
+                    # make every ACK behind it wait again).
+                    forced = loop.time() - self._since >= self.delay or self._floor + 1 == self._stuck
+                    written = await self._write(forced=forced)
                 if self._marked and not written:
                     # Every pending mark is blocked behind a delivery still running: give it
                     # until the oldest mark is ``delay`` old, then ACK the marks one by one.
@@ -436,6 +442,8 @@ class AckCoalescer:
             if tag in tags:
                 tags[tag] = TagState.SETTLED
         self._marked -= len(covered)
+        if flush.single and flush.single[-1] > flush.floor + 1:
+            self._stuck = flush.floor + 1  # ACKs were written past a delivery still running
         waiters = [self._waiters.pop(tag) for tag in covered]
         channel = self.channel
         try:
