@@ -40,7 +40,8 @@ not timed); the order rotates from round to round. Inside the child one probe ti
 clock and the process CPU time (``time.process_time``) start at the first
 delivery frame aiormq reads and stop when the last ``basic.ack`` has been
 written to the socket (aiormq's ``Channel.basic_ack`` returns; every contender
-ACKs through it, one delivery tag at a time). The child also counts the handled
+ACKs through it: raw and FastStream one delivery tag at a time, lily with
+``multiple`` ACKs where its ``ack_delay`` coalesces them). The child also counts the handled
 messages and checks the decoded ids, and reports the system share of its CPU
 time and its context switches (``getrusage``), printed with each run next to
 how busy it was (CPU time over wall time). A consumer well under 100 % busy
@@ -130,9 +131,11 @@ class Probe:
 
     Wraps two methods of aiormq's ``Channel``, through which all three contenders
     receive and ACK: ``_on_deliver_frame`` only until the first delivery (then the
-    original is put back), and ``basic_ack``, which counts ACKs and, for the last
-    one only, awaits the write before stopping the clocks (a plain call otherwise:
-    the other ACKs pay one extra Python call, the same for every contender).
+    original is put back), and ``basic_ack``, which counts the deliveries each ACK
+    settles and, for the one that settles the last, awaits the write before
+    stopping the clocks (a plain call otherwise: every ACK frame pays one extra
+    Python call, whoever writes it). A ``multiple`` ACK up to tag N settles every
+    tag of its channel up to N not settled before (nothing is NACKed here).
     """
 
     def __init__(self, expected: int, profiler: cProfile.Profile | None) -> None:
@@ -146,6 +149,7 @@ class Probe:
         self.first_usage: resource.struct_rusage | None = None
         self.end_usage: resource.struct_rusage | None = None
         self.done = asyncio.Event()
+        self._settled: dict[int, tuple[int, set[int]]] = {}  # per channel: floor, single ACKs above it
         self._deliver = aiormq.Channel._on_deliver_frame
         self._ack = aiormq.Channel.basic_ack
 
@@ -165,12 +169,24 @@ class Probe:
         def basic_ack(
             channel: aiormq.Channel, delivery_tag: int, multiple: bool = False, wait: bool = True
         ) -> Coroutine[Any, Any, None]:
-            probe.acked += 1
+            before = probe.acked
+            probe.acked += probe.settles(channel, delivery_tag, multiple)
             sent = ack(channel, delivery_tag, multiple=multiple, wait=wait)
-            return sent if probe.acked != probe.expected else probe._last(sent)
+            return sent if not before < probe.expected <= probe.acked else probe._last(sent)
 
         aiormq.Channel._on_deliver_frame = on_deliver_frame  # type: ignore[method-assign]
         aiormq.Channel.basic_ack = basic_ack  # type: ignore[method-assign, assignment]
+
+    def settles(self, channel: aiormq.Channel, tag: int, multiple: bool) -> int:
+        """How many deliveries of ``channel`` this ACK settles."""
+        floor, singles = self._settled.get(id(channel), (0, set()))
+        if not multiple:
+            singles.add(tag)
+            self._settled[id(channel)] = (floor, singles)
+            return 1
+        below = {t for t in singles if t <= tag}
+        self._settled[id(channel)] = (max(floor, tag), singles - below)
+        return max(tag - floor - len(below), 0)
 
     async def _last(self, sent: Awaitable[None]) -> None:
         await sent
@@ -233,7 +249,13 @@ async def consume_lily(args: argparse.Namespace, url: str, probe: Probe, tally: 
     managed = await consumer.start()
     try:
         await wait_done(probe, tally, args.wait)
-        acked = managed.snapshot().queues[0].outcomes.get("acked", 0)
+        # An outcome is counted once the frame that settles it was written; the deliveries
+        # sharing the last ACK frame are counted a moment after the clocks stopped.
+        for _ in range(5000):
+            acked = managed.snapshot().queues[0].outcomes.get("acked", 0)
+            if acked >= args.messages:
+                break
+            await asyncio.sleep(0.001)
     finally:
         async with asyncio.timeout(TEARDOWN_SECONDS):
             report = await managed.shutdown()

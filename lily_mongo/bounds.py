@@ -44,6 +44,7 @@ class Bounds:
     concurrency_min: int = 1
     concurrency_max: int = 1024
     prefetch_max: int = 4096
+    ack_delay_max: float = 0.1  # seconds an ACK may wait to share a frame (QueueOptions.ack_delay)
     retry_buckets_per_queue: int = 32
     retry_buckets_total: int = 4096
     max_retries: int = 100

@@ -170,6 +170,7 @@ class QueueSettings(TypedDict, total=False):
     max_handoff_failures: int
     passive: bool
     unknown_errors: Literal["retryable", "permanent"]
+    ack_delay: float
 
 
 # MongoDB database names: at most 63 bytes, none of these characters (MongoDB's naming restrictions).

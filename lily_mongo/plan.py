@@ -123,6 +123,7 @@ class QueueOptions:
     max_handoff_failures: int = 5
     passive: bool = False
     unknown_errors: Literal["retryable", "permanent"] = "retryable"
+    ack_delay: float = 0.001
 
     def __post_init__(self) -> None:
         where = f"queue {self.name!r:.60}"
@@ -147,6 +148,7 @@ class QueueOptions:
             )
         if not isinstance(self.passive, bool):
             raise ConfigError(f"{where}: passive must be True or False, got {describe_value(self.passive)}")
+        check_seconds(f"{where}: ack_delay", self.ack_delay, low=0.0, high=BOUNDS.ack_delay_max)
 
     @property
     def effective_prefetch(self) -> int:

@@ -36,7 +36,7 @@ import aio_pika
 import aio_pika.abc
 import aiormq.abc
 
-from ._amqp import InboundMessage, republish
+from ._amqp import AckCoalescer, InboundMessage, republish
 from ._tasks import TaskSet
 from ._text import truncate_utf8
 from .bounds import BOUNDS
@@ -122,6 +122,7 @@ class QueueRuntime:
         self.channel: aio_pika.abc.AbstractChannel | None = None
         self.queue: aio_pika.abc.AbstractQueue | None = None
         self.consumer_tag: str | None = None
+        self.acks: AckCoalescer | None = None  # the current channel's ACK coalescer (ack_delay > 0)
         self.in_flight = 0
         self.counters = QueueCounters()
         self.handoff_failures: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -308,7 +309,13 @@ class Runtime:
         """Consume ``qr``'s queue on its channel's current transport, straight through aiormq."""
         assert qr.channel is not None
         underlay = await qr.channel.get_underlay_channel()
-        consuming = await underlay.basic_consume(qr.options.name, self._callback(qr), no_ack=False)
+        # One coalescer per channel object: a reopened channel gets a fresh one, so no ACK
+        # marked on the old channel is ever written on the new (SPEC section 3, generations).
+        acks = None
+        if qr.options.ack_delay > 0:
+            acks = AckCoalescer(underlay, qr.options.ack_delay, functools.partial(self.tasks.spawn, name="lily-acks"))
+        qr.acks = acks
+        consuming = await underlay.basic_consume(qr.options.name, self._callback(qr, acks), no_ack=False)
         qr.consumer_tag = consuming.consumer_tag
         underlay.on_consumer_cancel_callbacks.add(functools.partial(self._on_broker_cancel, qr))
 
@@ -346,10 +353,12 @@ class Runtime:
             self.generation += 1
             log.info("AMQP connection re-established: transport generation %d", self.generation)
 
-    def _callback(self, qr: QueueRuntime) -> Callable[[aiormq.abc.DeliveredMessage], Coroutine[Any, Any, None]]:
+    def _callback(
+        self, qr: QueueRuntime, acks: AckCoalescer | None
+    ) -> Callable[[aiormq.abc.DeliveredMessage], Coroutine[Any, Any, None]]:
         async def on_message(delivered: aiormq.abc.DeliveredMessage) -> None:
             qr.counters.received += 1
-            message = InboundMessage(delivered)
+            message = InboundMessage(delivered, acks)
             if not self.accepting:
                 # Intake stopped: give it back at once (it was never started).
                 await self._return_unstarted(message)
@@ -447,9 +456,20 @@ class Runtime:
     def revoke(self) -> None:
         """Revoke settlement authority: from now on no ACK, NACK or handoff is written."""
         self.phase = Phase.REVOKED
+        for qr in self.queues.values():
+            if qr.acks is not None:  # ACKs marked but not written are not written now
+                qr.acks.drop("settlement authority revoked")
 
     async def close_channels(self) -> bool:
-        """Close the consuming and handoff channels; True once all of them are closed."""
+        """Write pending ACKs (unless revoked), then close the consuming and handoff channels;
+        True once all of them are closed."""
+        if self.phase is not Phase.REVOKED:
+            for qr in self.queues.values():
+                if qr.acks is not None and qr.channel is not None and not qr.channel.is_closed:
+                    try:
+                        await qr.acks.flush()
+                    except Exception as exc:  # the channel failed: its marks failed with it
+                        log.warning("writing pending ACKs of %s failed: %s", qr.options.name, type(exc).__name__)
         channels = [qr.channel for qr in self.queues.values() if qr.channel is not None]
         if self.handoff_channel is not None:
             channels.append(self.handoff_channel)

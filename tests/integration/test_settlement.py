@@ -129,6 +129,47 @@ async def test_success_acks_the_original(
     assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 0]
 
 
+@pytest.mark.parametrize("ack_delay", [0.0, 0.001, 0.02])
+async def test_out_of_order_completions_mixed_with_handoffs_settle_each_delivery_once(
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, ack_delay: float
+) -> None:
+    # Handlers finish in a shuffled order; every seventh fails permanently (copy to the DLQ,
+    # then ACK), every fifth other one retryably (copy to the retry bucket, then ACK). With
+    # ACKs sharing frames or not, each delivery ends exactly once, every copy is confirmed
+    # before its original's ACK, and the broker holds nothing of the queue unacknowledged.
+    q = names.queue(f"coalesce-{int(ack_delay * 1000)}")
+    count = 60
+    seen: list[int] = []
+
+    @queue(q, version=1, content="json")
+    async def handle(order: Json[Order]) -> None:
+        seen.append(order.id)
+        await asyncio.sleep((order.id * 7919 % 13) / 1000)
+        if order.id % 7 == 0:
+            raise QueueHandlerError.permanent("ORDER_INVALID", "no lines")
+        if order.id % 5 == 0:
+            raise QueueHandlerError.retryable("PAYMENT_DOWN", "gateway 503")
+
+    consumer = Consumer(amqp_url=amqp, name="t")
+    consumer.configure_queue(
+        q, concurrency=16, prefetch=32, ack_delay=ack_delay, retry=RetryPolicy(max_retries=1, delays=(LONG_DELAY,))
+    )
+    consumer.include(handle)
+    async with running(consumer, expect_clean=False) as managed:
+        await publish_orders(amqp, q, *range(1, count + 1))
+        observations = await wait_observations(managed, count)
+        report = await managed.shutdown()
+    dead = [i for i in range(1, count + 1) if i % 7 == 0]
+    retried = [i for i in range(1, count + 1) if i % 5 == 0 and i % 7 != 0]
+    expected = ["dead_lettered"] * len(dead) + ["retried"] * len(retried)
+    assert sorted(o.outcome for o in observations) == sorted(expected + ["acked"] * (count - len(expected)))
+    assert all(o.ack_sent for o in observations)
+    assert all(o.handoff_confirmed for o in observations if o.outcome != "acked")
+    assert sorted(seen) == list(range(1, count + 1))
+    assert report.succeeded, report.render()
+    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, len(retried), len(dead)]
+
+
 # -- retry handoff ---------------------------------------------------------------------------------------
 
 

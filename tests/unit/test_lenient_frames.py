@@ -87,6 +87,39 @@ async def test_ordinary_frames_pass_byte_for_byte() -> None:
     assert reader.at_eof()
 
 
+@pytest.mark.parametrize("piece", [1, 5, 7, 13, 64, 100_000])
+async def test_frames_split_across_socket_reads_arrive_whole_and_checked(piece: int) -> None:
+    # The reader reads the socket in chunks; a frame may end in the next one, a body in a later one.
+    big_body = bytes(range(256)) * 40
+    frames = [
+        pamqp_frame.marshal(spec.Basic.Deliver("ctag", 1, False, "ex", "orders.created"), 1),
+        pamqp_frame.marshal(pamqp_header.ContentHeader(0, len(big_body), LilyProperties(headers={"n": 1})), 1),
+        pamqp_frame.marshal(pamqp_body.ContentBody(big_body), 1),
+        pamqp_frame.marshal(Heartbeat(), 0),
+        deliver(b"orders.\xff", tag=2),
+        content_header(b"\x00\x00", body_size=2),
+        pamqp_frame.marshal(pamqp_body.ContentBody(b"{}"), 1),
+    ]
+    data = b"".join(frames)
+    stream = asyncio.StreamReader()
+
+    async def feed() -> None:
+        for start in range(0, len(data), piece):
+            stream.feed_data(data[start : start + piece])
+            await asyncio.sleep(0)
+        stream.feed_eof()
+
+    feeding = asyncio.create_task(feed())
+    receiver = FrameReceiver(LenientFrameReader(stream))  # type: ignore[arg-type]
+    received = [await receiver.get_frame() for _ in frames]
+    await feeding
+    assert received[2][2].value == big_body
+    assert isinstance(received[3][2], Heartbeat)
+    assert received[4][2].routing_key == "orders.\ufffd"
+    assert MALFORMED_HEADER in received[5][2].properties.headers
+    assert received[6][2].value == b"{}"
+
+
 async def test_an_undecodable_header_name_arrives_readable_and_marked() -> None:
     headers = raw_table([*ENVELOPE, (b"x-\xff\xfe", long_string_value("v"))])
     data = content_header(raw_properties(content_type=b"application/json", headers=headers), body_size=2)

@@ -128,10 +128,18 @@ def test_custom_content_encoder_must_be_callable() -> None:
     [
         ({"passive": "yes"}, ("passive", "True or False", "yes")),
         ({"unknown_errors": "ignore"}, ("unknown_errors", "'retryable' or 'permanent'", "ignore")),
+        ({"ack_delay": -0.001}, ("ack_delay", "0..0.1 seconds", "-0.001")),
+        ({"ack_delay": 0.5}, ("ack_delay", "0..0.1 seconds", "0.5")),
+        ({"ack_delay": "1ms"}, ("ack_delay", "finite number of seconds", "1ms")),
     ],
 )
 def test_queue_options_name_the_refused_value(options: dict[str, Any], parts: tuple[str, ...]) -> None:
     refused(lambda: QueueOptions(name="orders", **options), *parts)
+
+
+def test_ack_delay_zero_turns_coalescing_off_and_the_default_is_a_millisecond() -> None:
+    assert QueueOptions(name="orders", ack_delay=0).ack_delay == 0
+    assert QueueOptions(name="orders").ack_delay == 0.001
 
 
 @pytest.mark.parametrize(
