@@ -761,7 +761,7 @@ def print_summary(args: argparse.Namespace, summary: dict[str, Any]) -> None:
                 spent = sum(first["per_delivery"].values())
                 duplicate = sum(dups["per_delivery"].values())
                 # The duplicates here are copies delivered for the first time (published twice):
-                # claimed in the transaction they cost the claim and the abort; a redelivered
+                # claimed in the transaction they cost the claim and its read-only commit; a redelivered
                 # copy takes the lease claim, 1 command (tests/integration/test_inbox_budget.py).
                 first_bound, dup_bound = (3 + 1, 1) if args.lease_first else (2 + 1, 2)
                 path = "lease claim first" if args.lease_first else "first-time copies claim in the transaction"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "BOUNDS",
+    "BROKER_COUNT_HEADERS",
     "DEATH_HEADER",
     "DELIVERY_COUNT_HEADER",
     "FAILED_AT_HEADER",
@@ -97,6 +98,9 @@ HANDOFF_HEADER_KEYS: frozenset[str] = frozenset({RETRY_COUNT_HEADER, *FAILURE_HE
 DEATH_HEADER = "x-death"
 # Set by RabbitMQ on quorum-queue redeliveries; bounds deferrals across processes.
 DELIVERY_COUNT_HEADER = "x-delivery-count"
+# The broker's per-message delivery counters (``x-acquired-count``: RabbitMQ 4). A copy made
+# from a message (a retry or DLQ hand-off, a DLQ replay) is a new message: it drops them.
+BROKER_COUNT_HEADERS = (DELIVERY_COUNT_HEADER, "x-acquired-count")
 
 
 def utf8_len(text: str) -> int:

@@ -43,6 +43,7 @@ from ._checks import check_int, check_seconds
 from ._connect import connect_amqp
 from ._text import describe_value, sanitize
 from .bounds import (
+    BROKER_COUNT_HEADERS,
     DEATH_HEADER,
     FAILED_AT_HEADER,
     FAILED_QUEUE_HEADER,
@@ -76,7 +77,6 @@ BROKER_DEATH_HEADERS = (
     "x-last-death-reason",
 )
 # The broker's delivery counts of the copy in the DLQ: a fresh copy starts without them.
-_DELIVERY_COUNT_HEADERS = ("x-delivery-count", "x-acquired-count")
 _SHOWN_TEXT = 512
 
 Origin = Literal["library", "broker", "unknown"]
@@ -268,7 +268,7 @@ class _Session:
         if message.malformed is not None:
             await message.nack(requeue=True)
             return
-        headers = {k: v for k, v in message.headers.items() if k not in _DELIVERY_COUNT_HEADERS}
+        headers = {k: v for k, v in message.headers.items() if k not in BROKER_COUNT_HEADERS}
         # The broker accepts user_id only when it names the publishing connection's user.
         drop = ("cluster_id",) if message.user_id in (None, self.user) else ("cluster_id", "user_id")
         try:
@@ -377,7 +377,7 @@ async def replay_dead_letters(
             headers = {
                 k: v
                 for k, v in message.headers.items()
-                if k not in FAILURE_HEADER_KEYS and k not in BROKER_DEATH_HEADERS and k not in _DELIVERY_COUNT_HEADERS
+                if k not in FAILURE_HEADER_KEYS and k not in BROKER_DEATH_HEADERS and k not in BROKER_COUNT_HEADERS
             }
             if reset_retries:
                 headers[RETRY_COUNT_HEADER] = 0

@@ -6,8 +6,9 @@ For one delivery of handler ``H`` and event ``E`` (record ``_id`` ``"H|E"``):
    claims inside its attempt's transaction: the first write inserts the record
    completed (``$setOnInsert`` upsert, returning what was there). Absent: the
    handler runs and the commit makes record and effects visible together, with
-   no lease to renew or release. Completed: a duplicate. A lease record, or a
-   transient error: abort and continue with the claim below.
+   no lease to renew or release. Completed: a duplicate (the read-only
+   transaction is committed). A lease record, or a transient error: abort and
+   continue with the claim below.
 1. **Claim**: one ``find_one_and_update(upsert=True)`` on the server clock decides:
    completed → duplicate → ACK; leased by another live owner → deferred (its
    deferral counter incremented in the same update); otherwise leased to this
@@ -33,7 +34,7 @@ Budget (SPEC section 5): a first-time delivery whose handler makes ``k`` writes
 sends ``2 + k`` commands (the claim in the transaction, k writes, commit), a
 redelivered one ``3 + k`` (claim, completion, k writes, commit); a redelivered
 copy of a completed event sends 1 (the claim), a first-time one 2 (the claim in
-the transaction, the abort). :mod:`lily_mongo.lease` holds every
+the transaction, its read-only commit). :mod:`lily_mongo.lease` holds every
 decision; this module performs them.
 """
 
@@ -240,6 +241,7 @@ class Inbox:
         self._owner_numbers = itertools.count(1)
         self._on_outbox_commit = on_outbox_commit
         self._leases: set[_Lease] = set()
+        self._clock_offset = datetime.timedelta(0)  # server clock - consumer clock, read by prepare()
         assert options.heartbeat_seconds is not None
         self._heartbeat_seconds = options.heartbeat_seconds
 
@@ -251,7 +253,16 @@ class Inbox:
     # -- set-up and the heartbeat --------------------------------------------------------------
 
     async def prepare(self) -> None:
-        """Create the record collection's TTL index (idempotent), or only verify it in passive mode."""
+        """Create the record collection's TTL index (idempotent), or only verify it in passive mode.
+
+        Also reads the server's clock (``hello``'s ``localTime``): a first-time copy's
+        record is written with ``$setOnInsert``, which takes no ``$$NOW``, so its
+        retention is counted from the consumer's clock corrected by this offset.
+        """
+        sent = datetime.datetime.now(datetime.UTC)
+        hello = await self._client.admin.command("hello")
+        received = datetime.datetime.now(datetime.UTC)
+        self._clock_offset = protocol.clock_offset(hello.get("localTime"), sent, received)
         await ensure_index(
             self._records,
             "lily_purge_at_ttl",
@@ -467,10 +478,18 @@ class Inbox:
             lease.holding = True  # from the completion write until the commit or abort ends
             if lease.first:
                 found = await self._first_claim(session, route, lease)
-                if found is not FirstClaim.CLAIMED:
+                if found is FirstClaim.DUPLICATE:
+                    # Commit, not abort: a majority commit of this read-only transaction waits
+                    # until the snapshot that showed the completion is majority-committed, so a
+                    # failover cannot roll back the completion this ACK relies on.
+                    try:
+                        await session.commit_transaction()
+                    except PyMongoError:
+                        discard_server_session(session)
+                        raise _Contended from None  # not confirmed: the lease claim decides
+                    return _DUPLICATE
+                if found is FirstClaim.CONTENDED:
                     await self._abort(session)
-                    if found is FirstClaim.DUPLICATE:
-                        return _DUPLICATE
                     raise _Contended
             else:
                 try:
@@ -522,7 +541,7 @@ class Inbox:
             route.handler_id,
             lease.event_id,
             lease.owner,
-            now=datetime.datetime.now(datetime.UTC),
+            now=datetime.datetime.now(datetime.UTC) + self._clock_offset,
             retention_seconds=self._options.retention_seconds,
         )
         try:
@@ -532,6 +551,9 @@ class Inbox:
         except DuplicateKeyError:
             return FirstClaim.CONTENDED  # inserted meanwhile by someone else: the lease claim decides
         except PyMongoError as exc:
+            if protocol.first_claim_falls_back(error_labels(exc)):
+                await self._abort(session)
+                return FirstClaim.CONTENDED
             await self._abort(session)
             raise self._failed(exc, "the claim in the transaction") from exc
         return protocol.read_first_claim(before)

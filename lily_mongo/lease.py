@@ -50,10 +50,12 @@ __all__ = [
     "claim_transition",
     "claims_in_transaction",
     "classify_error",
+    "clock_offset",
     "completion_transition",
     "completion_update",
     "deferral_release_update",
     "fence",
+    "first_claim_falls_back",
     "first_claim_transition",
     "first_claim_update",
     "heartbeat_verdict",
@@ -238,8 +240,8 @@ def first_claim_update(
     transaction writing it fails at once with a labelled ``WriteConflict`` (before
     its handler ran), and a concurrent lease claim waits for the commit or abort.
     ``owner`` and token 1 let :func:`reconcile` recognise this attempt's commit.
-    Retention is counted from the consumer's clock here (``$setOnInsert`` takes no
-    ``$$NOW``); a skew of seconds against days of retention.
+    ``$setOnInsert`` takes no ``$$NOW``: ``now`` is the consumer's clock corrected
+    by its offset to the server's (:func:`clock_offset`, read at start).
     """
     return {
         "$setOnInsert": {
@@ -271,6 +273,29 @@ def first_claim_transition(
         return None
     insert = first_claim_update(handler_id, event_id, owner, now=now, retention_seconds=retention_seconds)
     return {"_id": key, **insert["$setOnInsert"]}
+
+
+def clock_offset(server_time: object, sent: datetime.datetime, received: datetime.datetime) -> datetime.timedelta:
+    """The server clock minus the consumer's, from a reply's server time read between ``sent`` and ``received``.
+
+    Zero when the reply carries no time. The round trip's midpoint stands for the
+    moment the server read its clock (an error of at most half the round trip).
+    """
+    server = _aware(server_time)
+    if server is None:
+        return datetime.timedelta(0)
+    return server - (sent + (received - sent) / 2)
+
+
+def first_claim_falls_back(labels: Collection[str]) -> bool:
+    """After the claim in the transaction failed: take the lease claim instead (True), or treat
+    it as any operation's error (:func:`classify_error`)?
+
+    A ``TransientTransactionError`` there is a concurrent copy's transaction holding the new
+    record (MongoDB's ``WriteConflict`` at the write): no handler ran, so it is no replay of
+    this delivery; the lease claim waits for that transaction and then decides.
+    """
+    return TRANSIENT_LABEL in labels
 
 
 def read_first_claim(before: Record | None) -> FirstClaim:

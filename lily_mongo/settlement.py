@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ._text import sanitize, truncate_utf8
-from .bounds import BOUNDS
+from .bounds import BOUNDS, BROKER_COUNT_HEADERS
 from .envelope import (
     FAILED_AT_HEADER,
     FAILED_QUEUE_HEADER,
@@ -222,12 +222,15 @@ def handoff_headers(
 ) -> dict[str, object]:
     """The header table of a retry or DLQ copy (SPEC section 3).
 
-    The original headers that fit every bound, the same event id, and the failure
-    headers (bounded, sanitized). ``retry_count`` is what ``x-retry-count`` carries:
-    the step's next count on a retry, the original's on a DLQ copy, None to drop it
+    The original headers that fit every bound (without the broker's delivery
+    counters), the same event id, and the failure headers (bounded, sanitized).
+    ``retry_count`` is what ``x-retry-count`` carries: the step's next count on a
+    retry, the original's on a DLQ copy, None to drop it
     (a copy of a message whose envelope was invalid).
     """
     headers, _ = sanitize_headers(original)
+    for name in BROKER_COUNT_HEADERS:  # a copy is a new message: the broker counts its deliveries afresh
+        headers.pop(name, None)
     if retry_count is None:
         headers.pop(RETRY_COUNT_HEADER, None)
     else:

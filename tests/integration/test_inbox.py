@@ -258,10 +258,21 @@ async def test_transient_error_on_an_operation_replays(
         assert await wait_for_depth(amqp_channel, q, 0) == 0
     observation = only(managed)
     assert observation.outcome == "acked"
+    if command == "findAndModify":
+        # The claim in the transaction met a transient error (a concurrent copy's transaction
+        # holding the new record, on MongoDB): no handler ran, so no replay is counted; the
+        # delivery takes the lease claim and runs its one attempt.
+        assert (observation.transient_replays, observation.attempts, len(calls)) == (0, 1, 1)
+        record = await mongo_client[database_name][RECORDS].find_one({"event_id": str(event)})
+        assert record is not None
+        assert record["state"] == "completed"
+        assert "expires_at" in record  # completed on the lease path (a record born completed has no lease)
+        await assert_effect_once(mongo_client, database_name, event)
+        return
     assert observation.transient_replays >= 1
     assert observation.attempts == observation.transient_replays + 1
-    # Each attempt is one fresh handler call, except one failing at the claim in the
-    # transaction or the completion write, which precede the handler.
+    # Each attempt is one fresh handler call, except one failing at the completion write,
+    # which precedes the handler.
     failed_before_the_handler = 1 if collection == RECORDS else 0
     assert len(calls) == observation.attempts - failed_before_the_handler
     assert managed.snapshot().queues[0].transient_replays >= 1
@@ -324,17 +335,24 @@ async def test_old_scope_is_closed_while_the_replay_runs(
 # -- UnknownTransactionCommitResult: reconcile, never re-run to find out --------------------------
 
 
+@pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
 async def test_unknown_commit_result_once_is_reconciled_by_retrying_the_commit(
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
     names: BrokerNames,
     failing_commits: FailingCommits,
+    claim_in_transaction: bool,
 ) -> None:
     # Code 50 (MaxTimeMSExpired) is not a retryable code for PyMongo, so the driver does
     # not retry the commit itself: the failpoint fires exactly once, at the library.
     q = names.queue("unknown1")
     run = await failing_commits(
-        q, settled=one_settled, times=1, error_code=50, labels=["UnknownTransactionCommitResult"]
+        q,
+        settled=one_settled,
+        inbox=InboxOptions(claim_in_transaction=claim_in_transaction),
+        times=1,
+        error_code=50,
+        labels=["UnknownTransactionCommitResult"],
     )
     managed, calls, event = run.managed, run.calls, run.event
     observation = only(managed)
@@ -574,7 +592,9 @@ async def test_commit_request_lost_on_the_network(
     await assert_effect_once(mongo_client, database_name, event)
 
 
+@pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
 async def test_commit_reply_lost_is_reconciled_from_the_completion_record(
+    claim_in_transaction: bool,
     amqp: str,
     mongo_uri: str,
     mongo_client: AsyncMongoClient[Any],
@@ -596,7 +616,7 @@ async def test_commit_reply_lost_is_reconciled_from_the_completion_record(
             database_name,
             q,
             effect_handler(q, calls),
-            inbox=InboxOptions(commit_retries=1, backoff_base=0.01),
+            inbox=InboxOptions(commit_retries=1, backoff_base=0.01, claim_in_transaction=claim_in_transaction),
         )
         async with running(consumer) as managed:
             cutter.cut_replies = 2
@@ -777,7 +797,9 @@ async def test_scope_used_after_the_attempt_raises(
     ],
     ids=["retryable", "permanent", "unexpected"],
 )
+@pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
 async def test_failure_aborts_releases_the_lease_and_hands_off(
+    claim_in_transaction: bool,
     amqp: str,
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
@@ -801,7 +823,13 @@ async def test_failure_aborts_releases_the_lease_and_hands_off(
 
     # A long retry delay keeps the retry copy parked in its bucket for inspection.
     consumer = make_consumer(
-        amqp, mongo_client, database_name, q, handle, retry=RetryPolicy(max_retries=2, delays=(60,))
+        amqp,
+        mongo_client,
+        database_name,
+        q,
+        handle,
+        inbox=InboxOptions(claim_in_transaction=claim_in_transaction),
+        retry=RetryPolicy(max_retries=2, delays=(60,)),
     )
     async with running(consumer) as managed:
         await publish(amqp, q, event)
@@ -814,7 +842,8 @@ async def test_failure_aborts_releases_the_lease_and_hands_off(
     db = mongo_client[database_name]
     assert await db[EFFECTS].count_documents({}) == 0  # aborted: nothing the handler wrote survived
     assert await db["lily_outbox"].count_documents({}) == 0
-    assert await db[RECORDS].count_documents({}) == 0  # released (deleted), not left to expire
+    # Lease first: released (deleted), not left to expire. In the transaction: never committed.
+    assert await db[RECORDS].count_documents({}) == 0
     [copy] = await drain(amqp_channel, f"{q}.{destination}")
     assert copy.headers["x-lily-failure-code"] == code
     assert copy.headers["x-lily-event-id"] == str(event)
@@ -878,7 +907,12 @@ async def test_a_lease_taken_over_between_attempts_defers_at_the_next_attempt(
 
 
 async def run_timing_out_handler(
-    amqp: str, client: AsyncMongoClient[Any], database: str, q: str, channel: aio_pika.abc.AbstractChannel
+    amqp: str,
+    client: AsyncMongoClient[Any],
+    database: str,
+    q: str,
+    channel: aio_pika.abc.AbstractChannel,
+    claim_in_transaction: bool,
 ) -> tuple[TerminalObservation, dict[str, Any] | None]:
     """One delivery whose handler writes, then overruns a 0.5 s deadline; returns its observation and lease doc."""
     handler_id = f"{q}/slow"
@@ -895,6 +929,7 @@ async def run_timing_out_handler(
         database,
         q,
         handle,
+        inbox=InboxOptions(claim_in_transaction=claim_in_transaction),
         deadline=0.5,
         cooperation_window=1.0,
         retry=RetryPolicy(max_retries=2, delays=(60,)),
@@ -907,7 +942,9 @@ async def run_timing_out_handler(
     return only(managed), record
 
 
+@pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
 async def test_handler_timeout_is_not_counted_as_a_deferral(
+    claim_in_transaction: bool,
     amqp: str,
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
@@ -916,11 +953,15 @@ async def test_handler_timeout_is_not_counted_as_a_deferral(
 ) -> None:
     # A timeout is an application retry (SPEC section 6); the deferral bound counts deferred
     # requeues only. A stale count makes a later LEASE_HELD copy hit max_deferrals early.
-    _, lease = await run_timing_out_handler(amqp, mongo_client, database_name, names.queue("tdefer"), amqp_channel)
+    _, lease = await run_timing_out_handler(
+        amqp, mongo_client, database_name, names.queue("tdefer"), amqp_channel, claim_in_transaction
+    )
     assert lease is None or lease.get("deferrals", 0) == 0, lease
 
 
+@pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
 async def test_handler_timeout_aborts_and_frees_the_lease(
+    claim_in_transaction: bool,
     amqp: str,
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
@@ -928,9 +969,11 @@ async def test_handler_timeout_aborts_and_frees_the_lease(
     amqp_channel: aio_pika.abc.AbstractChannel,
 ) -> None:
     observation, lease = await run_timing_out_handler(
-        amqp, mongo_client, database_name, names.queue("timeout"), amqp_channel
+        amqp, mongo_client, database_name, names.queue("timeout"), amqp_channel, claim_in_transaction
     )
     assert (observation.outcome, observation.code) == ("retried", "QUEUE_HANDLER_TIMEOUT")
     db = mongo_client[database_name]
     assert await db[EFFECTS].count_documents({}) == 0
-    assert lease is None or (lease.get("owner") is None and lease.get("state") != "completed"), lease
+    # Cancelled from outside, the attempt is no deferral: the lease is deleted (lease first),
+    # or was never committed (in the transaction).
+    assert lease is None, lease

@@ -8,7 +8,7 @@ copy of a completed event sends 1 (the claim).
 With ``claim_in_transaction`` (the default), a copy the broker delivers for the
 first time claims inside the transaction: ``2 + k`` (the claim that is the
 completion, k writes, commit); a copy of a completed event delivered for the
-first time then costs 2 (the claim finds it, the abort); a redelivered copy
+first time then costs 2 (the claim finds it, the read-only commit); a redelivered copy
 takes the lease claim: 1 for a completed event, ``3 + k`` for one not yet done.
 """
 
@@ -145,8 +145,8 @@ async def test_commands_per_delivery(
         else:
             assert seen[f"k={k}"] == lease_path(k), seen
             assert len(seen[f"k={k}"]) == 3 + k
-    if claim_in_transaction:  # found inside the transaction: the claim, then the abort
-        assert seen["duplicate"] == [("findAndModify", RECORDS), ("abortTransaction", "")]
+    if claim_in_transaction:  # found inside the transaction: the claim, then the read-only commit
+        assert seen["duplicate"] == [("findAndModify", RECORDS), ("commitTransaction", "")]
     else:
         assert seen["duplicate"] == [("findAndModify", RECORDS)]
 

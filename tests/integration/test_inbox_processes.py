@@ -158,7 +158,9 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
         async def completed() -> bool:
             return await db[RECORDS].count_documents({"_id": key, "state": "completed"}) == 1
 
-        await eventually(completed, what="replica B to complete the event", interval=0.05)
+        # On MongoDB, A's open transaction holds the record until the server reaps it
+        # (transactionLifetimeLimitSeconds, 60 s by default); B's claim waits for that.
+        await eventually(completed, what="replica B to complete the event", interval=0.05, timeout=90.0)
         b.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(b.wait(), 10.0) == 0, workers.stderr("replica-b")
         final = await workers.wait_for_record("replica-b", "observations")
@@ -214,7 +216,9 @@ async def test_a_replica_killed_while_claiming_in_its_transaction_leaves_nothing
         async def completed() -> bool:
             return await db[RECORDS].count_documents({"_id": key, "state": "completed"}) == 1
 
-        await eventually(completed, what="replica B to complete the event", interval=0.05)
+        # On MongoDB, A's open transaction holds the record until the server reaps it
+        # (transactionLifetimeLimitSeconds, 60 s by default); B's claim waits for that.
+        await eventually(completed, what="replica B to complete the event", interval=0.05, timeout=90.0)
         b.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(b.wait(), 10.0) == 0, workers.stderr("replica-b")
         final = await workers.wait_for_record("replica-b", "observations")

@@ -39,6 +39,7 @@ reconcile = lease.reconcile
 may_renew = lease.may_renew
 heartbeat_verdict = lease.heartbeat_verdict
 read_first_claim = lease.read_first_claim
+first_claim_falls_back = lease.first_claim_falls_back
 first_claim_transition = lease.first_claim_transition
 
 
@@ -262,6 +263,14 @@ def first_claim_writes_a_lease(record: Record | None, **kwargs: Any) -> dict[str
     return None if doc is None else {**doc, "state": LEASED}
 
 
+def falls_back_on_any_error(labels: Collection[str]) -> bool:
+    return True
+
+
+def never_falls_back(labels: Collection[str]) -> bool:
+    return False
+
+
 def always_in_transaction(*, redelivered: bool, delivery_count: object) -> bool:
     return True
 
@@ -326,6 +335,22 @@ MUTANTS: list[Mutant] = [
         "first_claim_transition",
         first_claim_writes_a_lease,
         ("claim-reading", "at-most-once"),
+    ),
+    Mutant(
+        "first-claim-falls-back-on-any-error",
+        "first_claim_falls_back",
+        falls_back_on_any_error,
+        (),
+        "an unlabelled error of the claim in the transaction then takes the lease claim instead of deferring: "
+        "the claim meets the same server and defers if it fails too (a command more, not a guarantee)",
+    ),
+    Mutant(
+        "first-claim-never-falls-back",
+        "first_claim_falls_back",
+        never_falls_back,
+        (),
+        "a transient error of the claim in the transaction then replays through the lease claim instead: "
+        "the same path, one replay counted and a backoff more (a cost, not a guarantee)",
     ),
     Mutant("first-claim-for-every-copy", "claims_in_transaction", always_in_transaction, (), COST_ONLY),
     Mutant("first-claim-never", "claims_in_transaction", never_in_transaction, (), COST_ONLY),

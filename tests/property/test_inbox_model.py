@@ -802,10 +802,24 @@ class InboxModel(RuleBasedStateMachine):
         h.phase = Phase.CLAIM
         self.log(f"{h.name} takes the lease claim as {h.owner}")
 
+    def first_claim_failed(self, h: Handling, txn: Txn, exc: MongoError) -> None:
+        """The claim in the transaction failed: the lease claim, or the error path of any operation."""
+        if not lease.first_claim_falls_back(exc.labels):
+            self.error(h, exc.labels, in_commit=False, what=exc.what)
+            return
+        self.mongo.abort(txn)
+        h.attempts -= 1  # no handler ran: not an attempt, not a replay
+        self.log(f"{h.name} {exc.what}: no handler ran")
+        self.take_lease_path(h)
+
     def first_claim(self, h: Handling, fault: Fault) -> None:
         """The claim inside a fresh transaction (its first write): insert the record completed, or find it."""
-        txn = self.begin_attempt(h, fault, "claim in the transaction")
-        if txn is None:
+        txn = self.begin_attempt(h, Fault.NONE, "claim in the transaction")
+        assert txn is not None
+        if fault in (Fault.TRANSIENT, Fault.ERROR):
+            labels = TRANSIENT if fault is Fault.TRANSIENT else NO_LABELS
+            self.mongo.abort(txn)
+            self.first_claim_failed(h, txn, MongoError(f"claim in the transaction failed {sorted(labels)}", labels))
             return
         try:
             before, after = self.mongo.txn_update(
@@ -823,7 +837,7 @@ class InboxModel(RuleBasedStateMachine):
             )
         except MongoError as exc:
             self.reached("claim in the transaction: write conflict")
-            self.error(h, exc.labels, in_commit=False, what=exc.what)
+            self.first_claim_failed(h, txn, exc)
             return
         self.expect(
             before is None or after is None,
@@ -843,6 +857,8 @@ class InboxModel(RuleBasedStateMachine):
             h.write = 0
             h.phase = Phase.WRITE if self.specs[h.msg.event].writes else Phase.COMMIT
             return
+        # The inbox commits the read-only transaction on a duplicate (its majority commit waits
+        # for the snapshot to be majority-committed): with no replication here, an abort.
         self.mongo.abort(txn)
         if found is lease.FirstClaim.DUPLICATE:
             self.expect(

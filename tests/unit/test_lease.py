@@ -31,8 +31,10 @@ from lily_mongo.lease import (
     claim_transition,
     claims_in_transaction,
     classify_error,
+    clock_offset,
     completion_transition,
     fence,
+    first_claim_falls_back,
     first_claim_transition,
     first_claim_update,
     heartbeat_verdict,
@@ -169,6 +171,22 @@ def test_a_claim_in_the_transaction_never_changes_an_existing_record() -> None:
     assert read_first_claim(completed) is FirstClaim.DUPLICATE
     assert read_first_claim(leased) is FirstClaim.CONTENDED
     assert read_first_claim(released) is FirstClaim.CONTENDED  # released, or expired: the lease claim decides
+
+
+def test_the_server_clock_offset_is_read_against_the_round_trip_midpoint() -> None:
+    sent, received = T0, at(0.2)
+    # The server read its clock 5 s ahead of the consumer, halfway through the round trip.
+    server = (at(0.1) + datetime.timedelta(seconds=5)).replace(tzinfo=None)  # PyMongo's naive UTC
+    assert clock_offset(server, sent, received) == datetime.timedelta(seconds=5)
+    assert clock_offset(at(0.1) - datetime.timedelta(seconds=3), sent, received) == datetime.timedelta(seconds=-3)
+    assert clock_offset(None, sent, received) == datetime.timedelta(0)  # no localTime in the reply
+    assert clock_offset("2025-01-01", sent, received) == datetime.timedelta(0)
+
+
+def test_only_a_transient_error_of_the_claim_in_the_transaction_falls_back_to_the_lease_claim() -> None:
+    assert first_claim_falls_back({TRANSIENT}) is True  # a concurrent copy's transaction holds the record
+    assert first_claim_falls_back(set()) is False  # unlabelled: deferred like any operation's error
+    assert first_claim_falls_back({UNKNOWN_COMMIT}) is False
 
 
 # -- claim --------------------------------------------------------------------------------
