@@ -201,7 +201,7 @@ class _Replay(Exception):
 class _Contended(Exception):
     """A first-time copy found a lease record: its transaction wrote nothing; take the lease claim."""
 
-    error_type = "contended"  # what an attempt's span reports
+    span_outcome = "contended"  # what an attempt's span reports (no error: the lease claim follows)
 
 
 @dataclass(slots=True, eq=False)

@@ -544,6 +544,10 @@ if AVAILABLE:
 
 
 def _fail(span: Span, exc: BaseException) -> None:
+    outcome = getattr(exc, "span_outcome", None)
+    if outcome is not None:  # an expected turn of the protocol, not an error
+        span.set_attribute("lily.inbox.verdict", str(outcome))
+        return
     error_type = getattr(exc, "error_type", None) or getattr(exc, "kind", None) or type(exc).__name__
     span.set_attribute("error.type", str(error_type))
     span.set_status(Status(StatusCode.ERROR, str(error_type)))

@@ -191,6 +191,29 @@ def test_a_failed_publish_ends_its_span_with_the_error_kind(
     assert dict(span.attributes)["error.type"] == "unroutable"
 
 
+def test_a_step_that_turns_the_protocol_ends_its_span_without_error(
+    telemetry: Telemetry, providers: tuple[InMemorySpanExporter, TracerProvider, MeterProvider]
+) -> None:
+    class Turn(Exception):
+        span_outcome = "contended"
+
+    class Broken(Exception):
+        error_type = "transient_replay"
+
+    async def raising(exc: Exception) -> None:
+        raise exc
+
+    for exc in (Turn(), Broken()):
+        with pytest.raises(type(exc)):
+            asyncio.run(telemetry.traced("inbox attempt", raising(exc)))
+    turned, broken = finished(providers)
+    assert turned.status.status_code is StatusCode.UNSET
+    assert dict(turned.attributes)["lily.inbox.verdict"] == "contended"
+    assert "error.type" not in dict(turned.attributes)
+    assert broken.status.status_code is StatusCode.ERROR
+    assert dict(broken.attributes)["error.type"] == "transient_replay"
+
+
 def test_telemetry_option_resolution(telemetry: Telemetry) -> None:
     assert resolve_telemetry(False) is None
     assert resolve_telemetry(telemetry) is telemetry
