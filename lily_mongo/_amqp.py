@@ -55,6 +55,7 @@ __all__ = [
     "encode_headers_table",
     "publish_properties",
     "republish",
+    "unbounded_frame_queue",
     "unmarshal_frame",
 ]
 
@@ -1059,3 +1060,22 @@ class LenientFrameReceiver(aiormq.connection.FrameReceiver):
             if frame is not None:
                 return unmarshal_frame(frame, self._layouts)
         return await super().get_frame()
+
+
+def unbounded_frame_queue(channel: aiormq.abc.AbstractChannel) -> None:
+    """Let a consuming channel's incoming frame queue grow past aiormq's 10 frames.
+
+    aiormq's connection reader task puts every frame into its channel's queue, which the
+    channel's own reader task empties; aio-pika opens channels with aiormq's default bound
+    of 10 frames. At full speed that queue is always full, so the two tasks hand over to
+    each other every frame or so (a future resolved and a loop turn per frame, and the
+    consumer's work split into small slices). Unbounded, the connection reader moves a
+    whole socket read's frames at once. What the queue can hold stays bounded by the
+    channel's prefetch: the broker sends no delivery past it, and the channel's reader
+    turns each delivery into a message (a task) as fast as before anyway. aio-pika offers
+    no way to pass aiormq's ``frame_buffer_size`` when it opens a channel, so the bound
+    of this one queue is lifted in place.
+    """
+    frames = channel.frames
+    if isinstance(frames, asyncio.Queue):
+        frames._maxsize = 0  # type: ignore[attr-defined]  # asyncio.Queue keeps its bound here

@@ -9,6 +9,7 @@ comes through readable and marked instead of ending the connection.
 from __future__ import annotations
 
 import asyncio
+import types
 from typing import Any
 
 import aiormq.abc
@@ -21,7 +22,14 @@ from pamqp import frame as pamqp_frame
 from pamqp import header as pamqp_header
 from pamqp.heartbeat import Heartbeat
 
-from lily_mongo._amqp import MALFORMED_HEADER, InboundMessage, LenientFrameReader, LenientFrameReceiver, LilyProperties
+from lily_mongo._amqp import (
+    MALFORMED_HEADER,
+    InboundMessage,
+    LenientFrameReader,
+    LenientFrameReceiver,
+    LilyProperties,
+    unbounded_frame_queue,
+)
 from lily_mongo._connect import frame_receiver
 from tests.support import long_string_value, raw_properties, raw_table, same, short_bytes
 
@@ -253,3 +261,14 @@ def test_an_ordinary_inbound_message_is_not_marked() -> None:
         channel=None,  # type: ignore[arg-type]
     )
     assert InboundMessage(delivered).malformed is None
+
+
+async def test_a_consuming_channels_frame_queue_is_unbounded() -> None:
+    # aio-pika opens aiormq channels with a 10-frame queue; lily lifts the bound on the
+    # channels it consumes from (the prefetch bounds what arrives).
+    channel = types.SimpleNamespace(frames=asyncio.Queue(maxsize=10))
+    unbounded_frame_queue(channel)  # type: ignore[arg-type]
+    for n in range(1000):
+        channel.frames.put_nowait(n)
+    assert channel.frames.maxsize == 0
+    assert not channel.frames.full()
