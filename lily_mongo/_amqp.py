@@ -14,6 +14,11 @@
 * :class:`LenientFrameReader` stands between a connection's socket and aiormq's
   frame decoder, so that one delivery whose metadata is not valid AMQP cannot
   take the connection down (see its docstring).
+* :class:`LenientFrameReceiver` is aiormq's frame receiver for such a connection:
+  it takes each checked frame whole from the reader and decodes the frames of a
+  delivery (basic.deliver, content header, body) and heartbeats directly into
+  the objects pamqp builds, leaving every other frame to pamqp
+  (:func:`unmarshal_frame`).
 """
 
 from __future__ import annotations
