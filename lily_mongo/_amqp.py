@@ -901,8 +901,10 @@ def unmarshal_frame(frame: bytes, layouts: dict[int, tuple[tuple[str, str], ...]
     """
     try:
         decoded = _decode(frame, layouts)
-    except (_Unusual, IndexError, ValueError, TypeError, struct.error):
-        # UnicodeDecodeError is a ValueError: pamqp gives its own verdict on the text.
+    except Exception:
+        # Anything the direct reading did not expect (text that is not UTF-8, a length
+        # past the end, a timestamp out of range, ...): pamqp reads the frame again and
+        # its verdict, value or error, is the one aiormq gets.
         decoded = None
     if decoded is not None:
         return decoded
