@@ -19,6 +19,8 @@
   delivery (basic.deliver, content header, body) and heartbeats directly into
   the objects pamqp builds, leaving every other frame to pamqp
   (:func:`unmarshal_frame`).
+* :func:`unbounded_frame_queue` lifts aiormq's 10-frame bound between the
+  connection's reader and a consuming channel's (the prefetch bounds it).
 """
 
 from __future__ import annotations
