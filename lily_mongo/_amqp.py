@@ -14,6 +14,13 @@
 * :class:`LenientFrameReader` stands between a connection's socket and aiormq's
   frame decoder, so that one delivery whose metadata is not valid AMQP cannot
   take the connection down (see its docstring).
+* :class:`LenientFrameReceiver` is aiormq's frame receiver for such a connection:
+  it takes each checked frame whole from the reader and decodes the frames of a
+  delivery (basic.deliver, content header, body) and heartbeats directly into
+  the objects pamqp builds, leaving every other frame to pamqp
+  (:func:`unmarshal_frame`).
+* :func:`unbounded_frame_queue` lifts aiormq's 10-frame bound between the
+  connection's reader and a consuming channel's (the prefetch bounds it).
 """
 
 from __future__ import annotations
@@ -23,16 +30,20 @@ import secrets
 import struct
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from typing import Any
+from typing import Any, cast
 
 import aio_pika.abc
 import aiormq
 import aiormq.abc
+import aiormq.connection
 import aiormq.exceptions
+from pamqp import body as pamqp_body
 from pamqp import commands as spec
 from pamqp import common, decode, encode
+from pamqp import exceptions as pamqp_exceptions
 from pamqp import frame as pamqp_frame
 from pamqp import header as pamqp_header
+from pamqp.heartbeat import Heartbeat
 
 from ._acks import TagState, plan_flush
 from ._text import sanitize
@@ -45,11 +56,14 @@ __all__ = [
     "AckCoalescer",
     "InboundMessage",
     "LenientFrameReader",
+    "LenientFrameReceiver",
     "LilyProperties",
     "basic_publish",
     "encode_headers_table",
     "publish_properties",
     "republish",
+    "unbounded_frame_queue",
+    "unmarshal_frame",
 ]
 
 # Headers always written as signed 32-bit LongInt (SPEC section 2).
@@ -525,6 +539,7 @@ _FRAME_METHOD = 1
 _FRAME_HEADER = 2
 _FRAME_BODY = 3
 _FRAME_HEARTBEAT = 8
+_FRAME_TYPES = frozenset((_FRAME_METHOD, _FRAME_HEADER, _FRAME_BODY, _FRAME_HEARTBEAT))
 _DELIVER = spec.Basic.Deliver.index.to_bytes(4)
 _GET_OK = spec.Basic.GetOk.index.to_bytes(4)
 # The Basic.Properties layout, in wire order: (name, flag bit, pamqp type).
@@ -601,6 +616,26 @@ class LenientFrameReader:
                 self._out, self._unread, self._rest = b"", 0, b""
                 raise asyncio.IncompleteReadError(partial, n)
             self._rest += chunk
+
+    def take_frame(self) -> bytes | None:
+        """The next frame, whole and checked, when the reader holds it; else None (nothing taken).
+
+        Only frames of the four AMQP frame types are taken: anything else is left to
+        aiormq's own reading, which judges it.
+        """
+        out, start = self._out, self._unread
+        if len(out) - start < _FRAME_HEAD or len(out) < start + 8 + int.from_bytes(out[start + 3 : start + 7]):
+            if not self._rest:
+                return None
+            self._check()
+            out, start = self._out, self._unread
+            if len(out) - start < _FRAME_HEAD:
+                return None
+        end = start + 8 + int.from_bytes(out[start + 3 : start + 7])
+        if end > len(out) or out[start] not in _FRAME_TYPES:
+            return None
+        self._unread = end
+        return out[start:end]
 
     def _check(self) -> None:
         """Move every complete frame of ``_rest`` (checked, rewritten if needed) to ``_out``."""
@@ -822,3 +857,234 @@ def _rewrite_content_header(payload: bytes, channel: int, problem: str | None) -
         # keep only the mark.
         properties = LilyProperties(headers={MALFORMED_HEADER: reason})
         return pamqp_frame.marshal(pamqp_header.ContentHeader(weight, body_size, properties), channel)
+
+
+# -- decoding frames -----------------------------------------------------------------------------------
+#
+# aiormq's FrameReceiver reads each frame with three awaited reads into a BytesIO under a
+# lock, then decodes it with pamqp's generic unmarshal (a table of types walked per field).
+# A delivery is three frames (basic.deliver, content header, body), so that is most of the
+# AMQP stack's cost per message. LenientFrameReceiver takes a frame the lenient reader has
+# already checked whole in one step and decodes the four frames a consumer sees all the
+# time directly; every other frame, and any frame the direct decoding does not read to
+# the last byte, goes to pamqp as before. The objects are the ones pamqp builds, attribute
+# for attribute (tests/property/test_frame_decoding_props.py compares them).
+
+_Deliver = spec.Basic.Deliver
+_Properties = spec.Basic.Properties
+_new = object.__new__
+_HEADER_HEAD = struct.Struct(">HHQ").unpack_from
+_FRAME_END = 0xCE
+# Header table values decoded here; the rest (arrays, floats, decimals, timestamps, byte
+# arrays, unknown tags) go to pamqp's decoder.
+_INT = {
+    0x62: struct.Struct(">b").unpack_from,  # b
+    0x42: struct.Struct(">B").unpack_from,  # B
+    0x73: struct.Struct(">h").unpack_from,  # s
+    0x75: struct.Struct(">H").unpack_from,  # u
+    0x49: struct.Struct(">l").unpack_from,  # I
+    0x69: struct.Struct(">L").unpack_from,  # i
+    0x6C: struct.Struct(">q").unpack_from,  # l
+    0x4C: struct.Struct(">q").unpack_from,  # L (pamqp reads it signed too)
+}
+_INT_WIDTH = {0x62: 1, 0x42: 1, 0x73: 2, 0x75: 2, 0x49: 4, 0x69: 4, 0x6C: 8, 0x4C: 8}
+
+
+class _Unusual(Exception):
+    """A frame the direct decoding leaves to pamqp."""
+
+
+def unmarshal_frame(frame: bytes, layouts: dict[int, tuple[tuple[str, str], ...]]) -> tuple[int, int, Any]:
+    """``pamqp.frame.unmarshal(frame)`` for one whole frame, as aiormq's receiver calls it.
+
+    Returns what pamqp returns (bytes consumed, channel, frame object) and raises what
+    aiormq raises for a frame pamqp refuses (``InvalidFrameError``). ``layouts`` caches,
+    per property flags value, the (name, type) of the properties present.
+    """
+    try:
+        decoded = _decode(frame, layouts)
+    except Exception:
+        # Anything the direct reading did not expect (text that is not UTF-8, a length
+        # past the end, a timestamp out of range, ...): pamqp reads the frame again and
+        # its verdict, value or error, is the one aiormq gets.
+        decoded = None
+    if decoded is not None:
+        return decoded
+    try:
+        return pamqp_frame.unmarshal(frame)
+    except pamqp_exceptions.PAMQPException as exc:
+        raise aiormq.exceptions.InvalidFrameError(str(exc)) from exc
+
+
+def _decode(frame: bytes, layouts: dict[int, tuple[tuple[str, str], ...]]) -> tuple[int, int, Any] | None:
+    size = len(frame)
+    if frame[-1] != _FRAME_END or int.from_bytes(frame[3:7]) != size - 8:
+        return None
+    kind = frame[0]
+    channel = (frame[1] << 8) | frame[2]
+    if kind == _FRAME_BODY:
+        return (size, channel, pamqp_body.ContentBody(frame[7:-1])) if size > 8 else None
+    if kind == _FRAME_HEADER:
+        return (size, channel, _content_header(frame, layouts)) if size > 8 else None
+    if kind == _FRAME_METHOD:
+        if frame[7:11] != _DELIVER:
+            return None
+        return size, channel, _deliver(frame)
+    if kind == _FRAME_HEARTBEAT and size == 8:
+        return 8, channel, Heartbeat()
+    return None
+
+
+def _deliver(frame: bytes) -> spec.Basic.Deliver:
+    end = 12 + frame[11]
+    consumer_tag = frame[12:end].decode()
+    delivery_tag = int.from_bytes(frame[end : end + 8], signed=True)
+    redelivered = bool(frame[end + 8] & 1)
+    start = end + 10
+    end = start + frame[start - 1]
+    exchange = frame[start:end].decode()
+    start = end + 1
+    end = start + frame[start - 1]
+    routing_key = frame[start:end].decode()
+    if end != len(frame) - 1:
+        raise _Unusual
+    # pamqp's unmarshal builds the method with its defaults and then sets every field
+    # without validating; so does this (no __init__: it would validate the defaults).
+    method: spec.Basic.Deliver = _new(_Deliver)
+    method.consumer_tag = consumer_tag
+    method.delivery_tag = delivery_tag
+    method.redelivered = redelivered
+    method.exchange = exchange
+    method.routing_key = routing_key
+    return method
+
+
+def _content_header(frame: bytes, layouts: dict[int, tuple[tuple[str, str], ...]]) -> pamqp_header.ContentHeader:
+    class_id, weight, body_size = _HEADER_HEAD(frame, 7)
+    flags = (frame[19] << 8) | frame[20]
+    layout = layouts.get(flags)
+    if layout is None:
+        if flags & 1:
+            raise _Unusual  # a second flag word: pamqp
+        layout = layouts[flags] = tuple((name, kind) for name, bit, kind in _PROPERTIES if flags & bit)
+    properties: spec.Basic.Properties = _new(_Properties)
+    # Basic.Properties() without a property: what pamqp starts from.
+    properties.content_type = properties.content_encoding = properties.headers = None
+    properties.delivery_mode = properties.priority = properties.correlation_id = None
+    properties.reply_to = properties.expiration = properties.message_id = None
+    properties.timestamp = properties.message_type = properties.user_id = properties.app_id = None
+    properties.cluster_id = ""
+    offset, limit = 21, len(frame) - 1
+    for name, kind in layout:
+        value: Any
+        if kind == "shortstr":
+            start = offset + 1
+            offset = start + frame[offset]
+            value = frame[start:offset].decode()
+        elif kind == "table":
+            offset, value = _table(frame, offset, limit)
+        elif kind == "octet":
+            value = frame[offset]
+            offset += 1
+        else:
+            consumed, value = decode.by_type(frame[offset:limit], kind)
+            offset += consumed
+        setattr(properties, name, value)
+    if offset != limit:
+        raise _Unusual
+    header: pamqp_header.ContentHeader = _new(pamqp_header.ContentHeader)
+    header.class_id = class_id
+    header.weight = weight
+    header.body_size = body_size
+    header.properties = properties
+    return header
+
+
+def _table(frame: bytes, offset: int, bound: int) -> tuple[int, dict[str, Any]]:
+    """The field table at ``offset``: (its end, its value). Every value must end inside the table.
+
+    ``bound`` is where the enclosing table (or the frame's payload) ends.
+    """
+    limit = len(frame) - 1  # pamqp's decoders see the payload from the value on
+    start = offset + 4
+    end = start + int.from_bytes(frame[offset:start])
+    if end > bound:
+        raise _Unusual
+    table: dict[str, Any] = {}
+    offset = start
+    while offset < end:
+        start = offset + 1
+        offset = start + frame[offset]
+        key = frame[start:offset].decode()
+        tag = frame[offset]
+        offset += 1
+        value: Any
+        if tag == 0x53:  # S: long string, bytes when it is not UTF-8 (as pamqp reads it)
+            start = offset + 4
+            offset = start + int.from_bytes(frame[offset:start])
+            raw = frame[start:offset]
+            try:
+                value = raw.decode()
+            except UnicodeDecodeError:
+                value = raw
+        elif tag in _INT:
+            value = _INT[tag](frame, offset)[0]
+            offset += _INT_WIDTH[tag]
+        elif tag == 0x74:  # t
+            value = bool(frame[offset])
+            offset += 1
+        elif tag == 0x46:  # F
+            offset, value = _table(frame, offset, end)
+        elif tag == 0x56 or tag == 0:  # V and NUL: void
+            value = None
+        else:
+            consumed, value = decode.embedded_value(frame[offset - 1 : limit])
+            offset += consumed - 1
+        if offset > end:
+            raise _Unusual
+        table[key] = value
+    if offset != end:
+        raise _Unusual
+    return end, table
+
+
+class LenientFrameReceiver(aiormq.connection.FrameReceiver):
+    """aiormq's frame receiver for a connection read through a :class:`LenientFrameReader`.
+
+    When the reader holds the next frame whole (checked), it is taken in one step and
+    decoded with :func:`unmarshal_frame`; otherwise (the socket must be read, the
+    protocol header, a stream that is not frames) aiormq's own reading runs as before,
+    with its error mapping. aiormq reads frames from one task at a time (the connection
+    handshake, then its reader task); the lock is still honoured.
+    """
+
+    def __init__(self, reader: LenientFrameReader) -> None:
+        super().__init__(cast(asyncio.StreamReader, reader))
+        self._frames = reader
+        self._layouts: dict[int, tuple[tuple[str, str], ...]] = {}
+
+    async def get_frame(self) -> tuple[int, int, Any]:
+        if self.started and not self.lock.locked():
+            frame = self._frames.take_frame()
+            if frame is not None:
+                return unmarshal_frame(frame, self._layouts)
+        return await super().get_frame()
+
+
+def unbounded_frame_queue(channel: aiormq.abc.AbstractChannel) -> None:
+    """Let a consuming channel's incoming frame queue grow past aiormq's 10 frames.
+
+    aiormq's connection reader task puts every frame into its channel's queue, which the
+    channel's own reader task empties; aio-pika opens channels with aiormq's default bound
+    of 10 frames. At full speed that queue is always full, so the two tasks hand over to
+    each other every frame or so (a future resolved and a loop turn per frame, and the
+    consumer's work split into small slices). Unbounded, the connection reader moves a
+    whole socket read's frames at once. What the queue can hold stays bounded by the
+    channel's prefetch: the broker sends no delivery past it, and the channel's reader
+    turns each delivery into a message (a task) as fast as before anyway. aio-pika offers
+    no way to pass aiormq's ``frame_buffer_size`` when it opens a channel, so the bound
+    of this one queue is lifted in place.
+    """
+    frames = channel.frames
+    if isinstance(frames, asyncio.Queue):
+        frames._maxsize = 0  # type: ignore[attr-defined]  # asyncio.Queue keeps its bound here

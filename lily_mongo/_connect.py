@@ -19,7 +19,7 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import ConfigurationError, ConnectionFailure, OperationFailure, PyMongoError
 from yarl import URL
 
-from ._amqp import LenientFrameReader
+from ._amqp import LenientFrameReader, LenientFrameReceiver
 from ._redact import redact_url, scrub
 from ._tasks import uncancellable
 from .errors import ConfigError, TransportError
@@ -83,6 +83,28 @@ class LenientTransport(aiormq.connection.TransportFactory):
         reader, writer = await self._transport.create(url, **kwargs)
         # aiormq's frame receiver reads the stream with at_eof(), read() and readexactly() only.
         return cast(asyncio.StreamReader, LenientFrameReader(reader)), writer
+
+
+# aiormq builds each connection's frame receiver from the module global
+# ``aiormq.connection.FrameReceiver`` (``Connection.connect``), with no parameter for it.
+# The global is replaced, once, by a function that gives a connection whose reader is a
+# LenientFrameReader (only the connections this package opens, through LenientTransport)
+# lily's receiver, and every other connection aiormq's own receiver, unchanged. A
+# subclass of aiormq's Connection would have to copy its whole connect() instead.
+_AIORMQ_FRAME_RECEIVER: type[aiormq.connection.FrameReceiver] = getattr(
+    aiormq.connection.FrameReceiver, "aiormq_receiver", aiormq.connection.FrameReceiver
+)
+
+
+def frame_receiver(reader: asyncio.StreamReader) -> aiormq.connection.FrameReceiver:
+    """The frame receiver for ``reader``: lily's for a :class:`LenientFrameReader`, else aiormq's."""
+    if isinstance(reader, LenientFrameReader):
+        return LenientFrameReceiver(reader)
+    return _AIORMQ_FRAME_RECEIVER(reader)
+
+
+frame_receiver.aiormq_receiver = _AIORMQ_FRAME_RECEIVER  # type: ignore[attr-defined]
+aiormq.connection.FrameReceiver = frame_receiver  # type: ignore[misc,assignment]
 
 
 async def connect_amqp(url: str, *, robust: bool = True) -> aio_pika.abc.AbstractConnection:

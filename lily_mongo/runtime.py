@@ -36,7 +36,7 @@ import aio_pika
 import aio_pika.abc
 import aiormq.abc
 
-from ._amqp import AckCoalescer, InboundMessage, republish
+from ._amqp import AckCoalescer, InboundMessage, republish, unbounded_frame_queue
 from ._tasks import TaskSet
 from ._text import truncate_utf8
 from .bounds import BOUNDS
@@ -309,6 +309,7 @@ class Runtime:
         """Consume ``qr``'s queue on its channel's current transport, straight through aiormq."""
         assert qr.channel is not None
         underlay = await qr.channel.get_underlay_channel()
+        unbounded_frame_queue(underlay)
         # One coalescer per channel object: a reopened channel gets a fresh one, so no ACK
         # marked on the old channel is ever written on the new (SPEC section 3, generations).
         acks = None

@@ -1,28 +1,40 @@
 """The lenient frame reader between a connection's socket and aiormq's frame receiver (no broker).
 
-Frames are fed to a stream and read back through aiormq's own ``FrameReceiver``, the way a
-connection reads them: ordinary frames come through byte for byte; a delivery whose
-metadata pamqp cannot decode comes through readable and marked instead of ending the
-connection.
+Frames are fed to a stream and read back through aiormq's own ``FrameReceiver`` and through
+lily's ``LenientFrameReceiver`` (which must agree), the way a connection reads them:
+ordinary frames come through byte for byte; a delivery whose metadata pamqp cannot decode
+comes through readable and marked instead of ending the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import types
 from typing import Any
 
 import aiormq.abc
+import aiormq.connection
 import aiormq.exceptions
 import pytest
-from aiormq.connection import FrameReceiver
 from pamqp import body as pamqp_body
 from pamqp import commands as spec
 from pamqp import frame as pamqp_frame
 from pamqp import header as pamqp_header
 from pamqp.heartbeat import Heartbeat
 
-from lily_mongo._amqp import MALFORMED_HEADER, InboundMessage, LenientFrameReader, LilyProperties
-from tests.support import long_string_value, raw_properties, raw_table, short_bytes
+from lily_mongo._amqp import (
+    MALFORMED_HEADER,
+    InboundMessage,
+    LenientFrameReader,
+    LenientFrameReceiver,
+    LilyProperties,
+    unbounded_frame_queue,
+)
+from lily_mongo._connect import frame_receiver
+from tests.support import long_string_value, raw_properties, raw_table, same, short_bytes
+
+# aiormq's own receiver, as the module defined it (the global names lily's factory now).
+FrameReceiver = frame_receiver.aiormq_receiver  # type: ignore[attr-defined]
 
 EVENT_ID = "0f8fad5b-d9cb-469f-a165-70867728950e"
 ENVELOPE = [
@@ -51,16 +63,31 @@ def get_ok(routing_key: bytes, tag: int = 9, count: int = 41) -> bytes:
 
 
 async def receive(data: bytes, count: int) -> list[tuple[int, Any]]:
-    """(channel, frame) for the first ``count`` frames of ``data``, read as a connection reads them."""
-    stream = asyncio.StreamReader()
-    stream.feed_data(data)
-    stream.feed_eof()
-    receiver = FrameReceiver(LenientFrameReader(stream))  # type: ignore[arg-type]
-    frames = []
-    for _ in range(count):
-        _, channel, frame = await receiver.get_frame()
-        frames.append((channel, frame))
-    return frames
+    """(channel, frame) for the first ``count`` frames of ``data``, read as a connection reads them.
+
+    Read through aiormq's receiver and through lily's: both must give the same frames, or
+    raise the same error.
+    """
+    outcomes: list[list[tuple[int, Any]] | BaseException] = []
+    for make in (FrameReceiver, LenientFrameReceiver):
+        stream = asyncio.StreamReader()
+        stream.feed_data(data)
+        stream.feed_eof()
+        receiver = make(LenientFrameReader(stream))
+        frames: list[tuple[int, Any]] = []
+        try:
+            for _ in range(count):
+                _, channel, frame = await receiver.get_frame()
+                frames.append((channel, frame))
+        except Exception as exc:
+            outcomes.append(exc)
+        else:
+            outcomes.append(frames)
+    aiormqs, lilys = outcomes
+    assert same(lilys, aiormqs)
+    if isinstance(lilys, BaseException):
+        raise lilys
+    return lilys
 
 
 async def test_ordinary_frames_pass_byte_for_byte() -> None:
@@ -87,8 +114,9 @@ async def test_ordinary_frames_pass_byte_for_byte() -> None:
     assert reader.at_eof()
 
 
+@pytest.mark.parametrize("make", [FrameReceiver, LenientFrameReceiver])
 @pytest.mark.parametrize("piece", [1, 5, 7, 13, 64, 100_000])
-async def test_frames_split_across_socket_reads_arrive_whole_and_checked(piece: int) -> None:
+async def test_frames_split_across_socket_reads_arrive_whole_and_checked(piece: int, make: Any) -> None:
     # The reader reads the socket in chunks; a frame may end in the next one, a body in a later one.
     big_body = bytes(range(256)) * 40
     frames = [
@@ -110,7 +138,7 @@ async def test_frames_split_across_socket_reads_arrive_whole_and_checked(piece: 
         stream.feed_eof()
 
     feeding = asyncio.create_task(feed())
-    receiver = FrameReceiver(LenientFrameReader(stream))  # type: ignore[arg-type]
+    receiver = make(LenientFrameReader(stream))
     received = [await receiver.get_frame() for _ in frames]
     await feeding
     assert received[2][2].value == big_body
@@ -203,6 +231,15 @@ async def test_the_brokers_protocol_header_still_ends_the_handshake() -> None:
         await receive(b"AMQP\x00\x00\x09\x01", 1)
 
 
+async def test_only_lenient_connections_get_lilys_receiver() -> None:
+    # aiormq builds every connection's receiver through the module global.
+    assert aiormq.connection.FrameReceiver is frame_receiver
+    lenient = aiormq.connection.FrameReceiver(LenientFrameReader(asyncio.StreamReader()))  # type: ignore[arg-type]
+    plain = aiormq.connection.FrameReceiver(asyncio.StreamReader())
+    assert type(lenient) is LenientFrameReceiver
+    assert type(plain) is FrameReceiver
+
+
 def test_an_inbound_message_takes_the_mark_out_of_its_headers() -> None:
     headers = {"x-lily-event-id": EVENT_ID, MALFORMED_HEADER: "a header name is not valid UTF-8"}
     delivered = aiormq.abc.DeliveredMessage(
@@ -224,3 +261,14 @@ def test_an_ordinary_inbound_message_is_not_marked() -> None:
         channel=None,  # type: ignore[arg-type]
     )
     assert InboundMessage(delivered).malformed is None
+
+
+async def test_a_consuming_channels_frame_queue_is_unbounded() -> None:
+    # aio-pika opens aiormq channels with a 10-frame queue; lily lifts the bound on the
+    # channels it consumes from (the prefetch bounds what arrives).
+    channel = types.SimpleNamespace(frames=asyncio.Queue(maxsize=10))
+    unbounded_frame_queue(channel)  # type: ignore[arg-type]
+    for n in range(1000):
+        channel.frames.put_nowait(n)
+    assert channel.frames.maxsize == 0
+    assert not channel.frames.full()
