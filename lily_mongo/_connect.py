@@ -87,24 +87,24 @@ class LenientTransport(aiormq.connection.TransportFactory):
 
 # aiormq builds each connection's frame receiver from the module global
 # ``aiormq.connection.FrameReceiver`` (``Connection.connect``), with no parameter for it.
-# The global is replaced, once, by a function that gives a connection whose reader is a
-# LenientFrameReader (only the connections this package opens, through LenientTransport)
-# lily's receiver, and every other connection aiormq's own receiver, unchanged. A
-# subclass of aiormq's Connection would have to copy its whole connect() instead.
-_AIORMQ_FRAME_RECEIVER: type[aiormq.connection.FrameReceiver] = getattr(
-    aiormq.connection.FrameReceiver, "aiormq_receiver", aiormq.connection.FrameReceiver
-)
+# The global is replaced, once, by a subclass of aiormq's receiver that gives a connection
+# whose reader is a LenientFrameReader (only the connections this package opens, through
+# LenientTransport) lily's receiver, and every other connection an aiormq receiver that
+# behaves exactly as the original (it is one: the subclass adds nothing else, so type
+# checks and subclasses of the global keep working). A subclass of aiormq's Connection
+# would have to copy its whole connect() instead.
+class FrameReceiverChoice(aiormq.connection.FrameReceiver):
+    """What ``aiormq.connection.FrameReceiver(reader)`` builds: lily's receiver for a
+    :class:`LenientFrameReader`, else aiormq's own (this class, which adds nothing)."""
+
+    def __new__(cls, reader: asyncio.StreamReader) -> aiormq.connection.FrameReceiver:  # type: ignore[misc]
+        if isinstance(reader, LenientFrameReader):
+            # Not an instance of cls: Python does not run cls.__init__ on it again.
+            return LenientFrameReceiver(reader)
+        return super().__new__(cls)
 
 
-def frame_receiver(reader: asyncio.StreamReader) -> aiormq.connection.FrameReceiver:
-    """The frame receiver for ``reader``: lily's for a :class:`LenientFrameReader`, else aiormq's."""
-    if isinstance(reader, LenientFrameReader):
-        return LenientFrameReceiver(reader)
-    return _AIORMQ_FRAME_RECEIVER(reader)
-
-
-frame_receiver.aiormq_receiver = _AIORMQ_FRAME_RECEIVER  # type: ignore[attr-defined]
-aiormq.connection.FrameReceiver = frame_receiver  # type: ignore[misc,assignment]
+aiormq.connection.FrameReceiver = FrameReceiverChoice  # type: ignore[misc]
 
 
 async def connect_amqp(url: str, *, robust: bool = True) -> aio_pika.abc.AbstractConnection:

@@ -30,11 +30,11 @@ from lily_mongo._amqp import (
     LilyProperties,
     unbounded_frame_queue,
 )
-from lily_mongo._connect import frame_receiver
+from lily_mongo._connect import FrameReceiverChoice
 from tests.support import long_string_value, raw_properties, raw_table, same, short_bytes
 
-# aiormq's own receiver, as the module defined it (the global names lily's factory now).
-FrameReceiver = frame_receiver.aiormq_receiver  # type: ignore[attr-defined]
+# aiormq's own receiver, as the module defined it (the global names lily's subclass now).
+FrameReceiver = FrameReceiverChoice.__mro__[1]
 
 EVENT_ID = "0f8fad5b-d9cb-469f-a165-70867728950e"
 ENVELOPE = [
@@ -233,11 +233,15 @@ async def test_the_brokers_protocol_header_still_ends_the_handshake() -> None:
 
 async def test_only_lenient_connections_get_lilys_receiver() -> None:
     # aiormq builds every connection's receiver through the module global.
-    assert aiormq.connection.FrameReceiver is frame_receiver
+    assert aiormq.connection.FrameReceiver is FrameReceiverChoice
+    assert issubclass(FrameReceiverChoice, FrameReceiver)  # type checks against the global still hold
     lenient = aiormq.connection.FrameReceiver(LenientFrameReader(asyncio.StreamReader()))  # type: ignore[arg-type]
     plain = aiormq.connection.FrameReceiver(asyncio.StreamReader())
     assert type(lenient) is LenientFrameReceiver
-    assert type(plain) is FrameReceiver
+    assert isinstance(plain, FrameReceiver)
+    assert type(plain).__mro__[1:] == FrameReceiver.__mro__  # aiormq's receiver, nothing added
+    assert plain.reader is not None  # aiormq's __init__ ran
+    assert not plain.started
 
 
 def test_an_inbound_message_takes_the_mark_out_of_its_headers() -> None:
