@@ -114,6 +114,32 @@ async def publish(amqp: str, q: str, event_id: uuid.UUID) -> None:
 # -- takeover after a replica dies ----------------------------------------------------------------
 
 
+def worker_args(amqp: str, mongo_uri: str, database: str, q: str, handler_id: str, *, lease_seconds: str) -> list[str]:
+    """The arguments every worker of one test shares."""
+    return [
+        *("--mongo-uri", mongo_uri, "--amqp", amqp, "--database", database, "--queue", q),
+        *("--handler-id", handler_id, "--lease-seconds", lease_seconds),
+    ]
+
+
+async def replica_b_completes(
+    workers: Workers, args: list[str], records: Any, key: str
+) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
+    """Start replica B, wait until the record ``key`` is completed, stop B; return it and its last report."""
+    b = await workers.start("replica-b", *args)
+    await workers.wait_for_record("replica-b", "ready")
+
+    async def completed() -> bool:
+        return await records.count_documents({"_id": key, "state": "completed"}) == 1
+
+    # On MongoDB, A's open transaction holds the record until the server reaps it
+    # (transactionLifetimeLimitSeconds, 60 s by default); B's claim waits for that.
+    await eventually(completed, what="replica B to complete the event", interval=0.05, timeout=90.0)
+    b.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(b.wait(), 10.0) == 0, workers.stderr("replica-b")
+    return b, await workers.wait_for_record("replica-b", "observations")
+
+
 async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
     amqp: str,
     mongo_uri: str,
@@ -127,9 +153,9 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
     handler_id = f"{q}/takeover"
     event = uuid.uuid4()
     key = f"{handler_id}|{event}"
-    records = mongo_client[database_name][RECORDS]
-    common = ["--mongo-uri", mongo_uri, "--amqp", amqp, "--database", database_name, "--queue", q]
-    common += ["--handler-id", handler_id, "--lease-seconds", "1.0"]
+    db = mongo_client[database_name]
+    records = db[RECORDS]
+    common = worker_args(amqp, mongo_uri, database_name, q, handler_id, lease_seconds="1.0")
     async with workers_in(tmp_path) as workers:
         # A's copy takes the lease claim, as a redelivered copy would: the lease is what this is about.
         a = await workers.start("replica-a", *common, "--slow", "60", "--claim-in-transaction", "off")
@@ -150,20 +176,7 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
         assert lease_a is not None
         assert (lease_a["owner"].split(":")[0], lease_a["token"], lease_a["acquisitions"]) == ("replica-a", 1, 1)
         assert lease_a["state"] == "leased"  # A's completion write died with its transaction
-
-        b = await workers.start("replica-b", *common)
-        await workers.wait_for_record("replica-b", "ready")
-        db = mongo_client[database_name]
-
-        async def completed() -> bool:
-            return await db[RECORDS].count_documents({"_id": key, "state": "completed"}) == 1
-
-        # On MongoDB, A's open transaction holds the record until the server reaps it
-        # (transactionLifetimeLimitSeconds, 60 s by default); B's claim waits for that.
-        await eventually(completed, what="replica B to complete the event", interval=0.05, timeout=90.0)
-        b.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(b.wait(), 10.0) == 0, workers.stderr("replica-b")
-        final = await workers.wait_for_record("replica-b", "observations")
+        b, final = await replica_b_completes(workers, common, records, key)
 
     b_outcomes = [o["outcome"] for o in final["observations"]]
     assert b_outcomes.count("acked") == 1, b_outcomes
@@ -198,8 +211,7 @@ async def test_a_replica_killed_while_claiming_in_its_transaction_leaves_nothing
     event = uuid.uuid4()
     key = f"{handler_id}|{event}"
     db = mongo_client[database_name]
-    common = ["--mongo-uri", mongo_uri, "--amqp", amqp, "--database", database_name, "--queue", q]
-    common += ["--handler-id", handler_id, "--lease-seconds", "30"]
+    common = worker_args(amqp, mongo_uri, database_name, q, handler_id, lease_seconds="30")
     async with workers_in(tmp_path) as workers:
         a = await workers.start("replica-a", *common, "--slow", "60")
         await workers.wait_for_record("replica-a", "ready")
@@ -209,19 +221,7 @@ async def test_a_replica_killed_while_claiming_in_its_transaction_leaves_nothing
         a.send_signal(signal.SIGKILL)
         assert await a.wait() == -signal.SIGKILL
         assert await db[RECORDS].count_documents({"_id": key}) == 0  # nothing committed, nothing to expire
-
-        b = await workers.start("replica-b", *common)
-        await workers.wait_for_record("replica-b", "ready")
-
-        async def completed() -> bool:
-            return await db[RECORDS].count_documents({"_id": key, "state": "completed"}) == 1
-
-        # On MongoDB, A's open transaction holds the record until the server reaps it
-        # (transactionLifetimeLimitSeconds, 60 s by default); B's claim waits for that.
-        await eventually(completed, what="replica B to complete the event", interval=0.05, timeout=90.0)
-        b.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(b.wait(), 10.0) == 0, workers.stderr("replica-b")
-        final = await workers.wait_for_record("replica-b", "observations")
+        b, final = await replica_b_completes(workers, common, db[RECORDS], key)
 
     assert [o["outcome"] for o in final["observations"]] == ["acked"]
     assert final["unresolved"] == 0

@@ -263,20 +263,13 @@ def first_claim_writes_a_lease(record: Record | None, **kwargs: Any) -> dict[str
     return None if doc is None else {**doc, "state": LEASED}
 
 
-def falls_back_on_any_error(labels: Collection[str]) -> bool:
-    return True
+def constantly(answer: bool) -> Callable[..., bool]:
+    """A decision that ignores its inputs and always answers ``answer``."""
 
+    def decide(*args: object, **kwargs: object) -> bool:
+        return answer
 
-def never_falls_back(labels: Collection[str]) -> bool:
-    return False
-
-
-def always_in_transaction(*, redelivered: bool, delivery_count: object) -> bool:
-    return True
-
-
-def never_in_transaction(*, redelivered: bool, delivery_count: object) -> bool:
-    return False
+    return decide
 
 
 COST_ONLY = (
@@ -339,7 +332,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "first-claim-falls-back-on-any-error",
         "first_claim_falls_back",
-        falls_back_on_any_error,
+        constantly(True),
         (),
         "an unlabelled error of the claim in the transaction then takes the lease claim instead of deferring: "
         "the claim meets the same server and defers if it fails too (a command more, not a guarantee)",
@@ -347,13 +340,13 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "first-claim-never-falls-back",
         "first_claim_falls_back",
-        never_falls_back,
+        constantly(False),
         (),
         "a transient error of the claim in the transaction then replays through the lease claim instead: "
         "the same path, one replay counted and a backoff more (a cost, not a guarantee)",
     ),
-    Mutant("first-claim-for-every-copy", "claims_in_transaction", always_in_transaction, (), COST_ONLY),
-    Mutant("first-claim-never", "claims_in_transaction", never_in_transaction, (), COST_ONLY),
+    Mutant("first-claim-for-every-copy", "claims_in_transaction", constantly(True), (), COST_ONLY),
+    Mutant("first-claim-never", "claims_in_transaction", constantly(False), (), COST_ONLY),
 ]
 
 
