@@ -15,7 +15,8 @@ import aio_pika.abc
 import pytest
 from pymongo import AsyncMongoClient
 
-from tests.support import BrokerNames, FailPoints, amqp_url
+from lily_mongo.testing import Faults
+from tests.support import BrokerNames, amqp_url
 
 # The MongoDB fixtures are the package's own pytest plugin's (lily_mongo.pytest_plugin),
 # under the names these tests use.
@@ -38,12 +39,10 @@ def database_name(lily_mongo_database: str) -> str:
 
 
 @pytest.fixture
-async def failpoints(mongo_client: AsyncMongoClient[Any]) -> AsyncIterator[FailPoints]:
-    points = FailPoints(mongo_client)
-    try:
-        yield points
-    finally:
-        await points.clear()
+async def failpoints(mongo_client: AsyncMongoClient[Any]) -> AsyncIterator[Faults]:
+    """The package's own fault injection; the failpoint is off after the test, whoever set it."""
+    async with Faults(mongo_client) as faults:
+        yield faults
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Test helpers shared by the tiers: server processes, failpoints, broker inspection, polling, consumers."""
+"""Test helpers shared by the tiers: broker names and inspection, polling, consumers, a raw AMQP producer."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import aio_pika.abc
 import aiormq.exceptions
 from pamqp import commands as spec
 from pamqp import frame as pamqp_frame
-from pymongo import AsyncMongoClient
 from yarl import URL
 
 from lily_mongo import Consumer, ManagedConsumer, TerminalObservation
@@ -33,43 +32,6 @@ _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 def amqp_url() -> str:
     return os.environ.get("LILY_AMQP_URL", DEFAULT_AMQP_URL)
-
-
-@dataclass
-class FailPoints:
-    """Sets ``configureFailPoint failCommand`` and always clears it afterwards."""
-
-    client: AsyncMongoClient[Any]
-    active: bool = False
-
-    async def set(
-        self,
-        commands: Iterable[str],
-        *,
-        times: int | None = 1,
-        error_code: int = 112,
-        labels: Iterable[str] = (),
-        close_connection: bool = False,
-        block_ms: int = 0,
-        message: str | None = None,
-    ) -> None:
-        data: dict[str, Any] = {"failCommands": list(commands), "errorCode": error_code}
-        if labels:
-            data["errorLabels"] = list(labels)
-        if close_connection:
-            data["closeConnection"] = True
-        if block_ms:
-            data["blockConnection"] = True
-            data["blockTimeMS"] = block_ms
-        if message:
-            data["errorMessage"] = message
-        mode: Any = "alwaysOn" if times is None else {"times": times}
-        await self.client.admin.command({"configureFailPoint": "failCommand", "mode": mode, "data": data})
-        self.active = True
-
-    async def clear(self) -> None:
-        await self.client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
-        self.active = False
 
 
 @dataclass

@@ -50,9 +50,9 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.cli import app as cli_app
+from lily_mongo.testing import Faults
 from tests.support import (
     BrokerNames,
-    FailPoints,
     consumer_count,
     drain,
     eventually,
@@ -807,7 +807,7 @@ async def test_inbox_stats_counts_completions_and_outbox_per_handler(
 
 
 @pytest.mark.timeout(180)
-async def test_demo_passes_its_ledger_check(amqp: str, mongo_uri: str, failpoints: FailPoints) -> None:
+async def test_demo_passes_its_ledger_check(amqp: str, mongo_uri: str, failpoints: Faults) -> None:
     # The demo injects transient failures with a failCommand failpoint on this server; the
     # `failpoints` fixture switches it off afterwards whatever happens.
     result = await run_cli(

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pymongo import AsyncMongoClient
 
 from lily_mongo import demo
-from lily_mongo.testing import TestConsumer, check_idempotent
+from lily_mongo.testing import Faults, TestConsumer, check_idempotent
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -77,7 +77,7 @@ async def ledger(database: Any) -> tuple[list[Any], list[Any]]:
 @settings(max_examples=4, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(payloads=st.lists(orders, min_size=1, max_size=3))
 async def test_the_demo_handler_is_idempotent_under_duplicates_and_faults(
-    mongo_client: AsyncMongoClient[Any], failpoints: Any, payloads: list[dict[str, Any]]
+    mongo_client: AsyncMongoClient[Any], failpoints: Faults, payloads: list[dict[str, Any]]
 ) -> None:
     consumer = demo.build_consumer("amqp://guest:guest@127.0.0.1:1/", mongo_client, "unused", "orders", "confirmed")
     await check_idempotent(consumer, "orders", payloads, ledger)

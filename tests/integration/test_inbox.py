@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import datetime
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aio_pika.abc
@@ -38,7 +38,8 @@ from lily_mongo import (
     TerminalObservation,
     queue,
 )
-from tests.support import BrokerNames, FailPoints, drain, eventually, outcomes, queue_depth, running, wait_for_depth
+from lily_mongo.testing import Faults
+from tests.support import BrokerNames, drain, eventually, outcomes, queue_depth, running, wait_for_depth
 
 Handler = Callable[..., Awaitable[None]]
 
@@ -47,24 +48,6 @@ EFFECTS = "effects"
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-async def set_failpoint(
-    client: AsyncMongoClient[Any],
-    commands: Iterable[str],
-    *,
-    namespace: str | None = None,
-    times: int = 1,
-    error_code: int = 112,
-    labels: Iterable[str] = (),
-) -> None:
-    """``failCommand`` limited to one collection (``data.namespace``); the ``failpoints`` fixture clears it."""
-    data: dict[str, Any] = {"failCommands": list(commands), "errorCode": error_code}
-    if labels:
-        data["errorLabels"] = list(labels)
-    if namespace is not None:
-        data["namespace"] = namespace
-    await client.admin.command({"configureFailPoint": "failCommand", "mode": {"times": times}, "data": data})
 
 
 def settled_copies(*managed: ManagedConsumer) -> int:
@@ -145,7 +128,7 @@ def failing_commits(
     amqp: str,
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
-    failpoints: FailPoints,
+    failpoints: Faults,
     amqp_channel: aio_pika.abc.AbstractChannel,
 ) -> FailingCommits:
     """Runs one event through the effect handler while ``commitTransaction`` fails as the failpoint
@@ -158,7 +141,7 @@ def failing_commits(
         event = uuid.uuid4()
         consumer = make_consumer(amqp, mongo_client, database_name, q, effect_handler(q, calls), inbox=inbox)
         async with running(consumer) as managed:
-            await failpoints.set(["commitTransaction"], **failpoint)
+            await failpoints.fail(["commitTransaction"], **failpoint)
             await publish(amqp, q, event)
             await eventually(lambda: settled(managed), timeout=8.0, what="settlement")
             assert await wait_for_depth(amqp_channel, q, 0) == 0
@@ -232,26 +215,21 @@ async def test_transient_error_on_an_operation_replays(
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
     names: BrokerNames,
-    failpoints: FailPoints,
+    failpoints: Faults,
     amqp_channel: aio_pika.abc.AbstractChannel,
     command: str,
     collection: str,
     claim_in_transaction: bool,
 ) -> None:
-    # error_code=112 with TransientTransactionError is MongoDB's WriteConflict shape.
+    # Code 112 with TransientTransactionError is MongoDB's WriteConflict shape.
     q = names.queue("tt")
     calls: list[uuid.UUID] = []
     event = uuid.uuid4()
     options = InboxOptions(claim_in_transaction=claim_in_transaction)
     consumer = make_consumer(amqp, mongo_client, database_name, q, effect_handler(q, calls), inbox=options)
     async with running(consumer) as managed:
-        await set_failpoint(
-            mongo_client,
-            [command],
-            namespace=f"{database_name}.{collection}",
-            times=1,
-            error_code=112,
-            labels=["TransientTransactionError"],
+        await failpoints.fail(
+            [command], code=112, labels=["TransientTransactionError"], namespace=f"{database_name}.{collection}"
         )
         await publish(amqp, q, event)
         await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
@@ -294,7 +272,7 @@ async def test_commit_failure_without_unknown_result_replays(
     # A commit failing without UnknownTransactionCommitResult did not commit (SPEC 5.5);
     # the emulator reports its write conflicts as code 112 with no label at all.
     q = names.queue("commit")
-    run = await failing_commits(q, settled=one_settled, times=1, error_code=112, labels=labels)
+    run = await failing_commits(q, settled=one_settled, times=1, code=112, labels=labels)
     managed, calls, event = run.managed, run.calls, run.event
     observation = only(managed)
     assert observation.outcome == "acked"
@@ -309,7 +287,7 @@ async def test_old_scope_is_closed_while_the_replay_runs(
     mongo_client: AsyncMongoClient[Any],
     database_name: str,
     names: BrokerNames,
-    failpoints: FailPoints,
+    failpoints: Faults,
 ) -> None:
     q = names.queue("scope")
     scopes: list[MongoScope] = []
@@ -323,7 +301,7 @@ async def test_old_scope_is_closed_while_the_replay_runs(
 
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
     async with running(consumer) as managed:
-        await failpoints.set(["commitTransaction"], times=1, error_code=112, labels=["TransientTransactionError"])
+        await failpoints.fail(["commitTransaction"], code=112, labels=["TransientTransactionError"])
         await publish(amqp, q, uuid.uuid4())
         await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
     assert outcomes(managed) == ["acked"]
@@ -351,7 +329,7 @@ async def test_unknown_commit_result_once_is_reconciled_by_retrying_the_commit(
         settled=one_settled,
         inbox=InboxOptions(claim_in_transaction=claim_in_transaction),
         times=1,
-        error_code=50,
+        code=50,
         labels=["UnknownTransactionCommitResult"],
     )
     managed, calls, event = run.managed, run.calls, run.event
@@ -383,7 +361,7 @@ async def test_unknown_commit_result_that_persists_defers_to_the_next_delivery(
         settled=acked,
         inbox=InboxOptions(commit_retries=2, backoff_base=0.01),
         times=3,
-        error_code=50,
+        code=50,
         labels=["UnknownTransactionCommitResult"],
     )
     managed, calls, event = run.managed, run.calls, run.event
@@ -418,7 +396,7 @@ async def test_unknown_commit_result_many_times_stays_bounded(
         settled=acked,
         inbox=InboxOptions(commit_retries=2, backoff_base=0.01),
         times=10,
-        error_code=50,
+        code=50,
         labels=["UnknownTransactionCommitResult"],
     )
     managed, calls, event = run.managed, run.calls, run.event

@@ -40,9 +40,9 @@ from lily_mongo._tasks import TaskSet
 from lily_mongo.envelope import validate_envelope
 from lily_mongo.outbox import OutboxRelay
 from lily_mongo.publisher import JSON, prepare_publication
+from lily_mongo.testing import Faults
 from tests.support import (
     BrokerNames,
-    FailPoints,
     drain,
     eventually,
     outcomes,
@@ -240,7 +240,7 @@ async def test_transient_replay_writes_and_publishes_exactly_one_record(
     database_name: str,
     names: BrokerNames,
     amqp_channel: aio_pika.abc.AbstractChannel,
-    failpoints: FailPoints,
+    failpoints: Faults,
 ) -> None:
     q, down = names.queue("replay"), names.queue("down")
     await declare_downstream(amqp_channel, down)
@@ -261,17 +261,8 @@ async def test_transient_replay_writes_and_publishes_exactly_one_record(
     consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
     consumer.use(middleware)
     async with running(consumer, expect_clean=False) as managed:
-        await mongo_client.admin.command(
-            {
-                "configureFailPoint": "failCommand",
-                "mode": {"times": 1},
-                "data": {
-                    "failCommands": ["insert"],
-                    "errorCode": 112,
-                    "errorLabels": ["TransientTransactionError"],
-                    "namespace": f"{database_name}.{EFFECTS}",
-                },
-            }
+        await failpoints.fail(
+            ["insert"], code=112, labels=["TransientTransactionError"], namespace=f"{database_name}.{EFFECTS}"
         )
         event = await publish(amqp, q, {"n": 1})
         await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery", interval=0.05)

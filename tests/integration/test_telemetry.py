@@ -41,7 +41,8 @@ from lily_mongo import (
 )
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.telemetry import Telemetry
-from tests.support import BrokerNames, FailPoints, drain, eventually, running, wait_for_depth, wait_observations
+from lily_mongo.testing import Faults
+from tests.support import BrokerNames, drain, eventually, running, wait_for_depth, wait_observations
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -418,7 +419,7 @@ async def test_a_commit_reconciliation_is_a_span_under_the_commit(
     names: BrokerNames,
     sdk: Sdk,
     telemetry: Telemetry,
-    failpoints: FailPoints,
+    failpoints: Faults,
 ) -> None:
     q = names.queue("reconcile")
 
@@ -432,7 +433,7 @@ async def test_a_commit_reconciliation_is_a_span_under_the_commit(
     consumer.configure_queue(q, concurrency=1, prefetch=2, retry=RetryPolicy(max_retries=0, delays=()))
     consumer.include(handle)
     async with running(consumer) as managed:
-        await failpoints.set(["commitTransaction"], times=1, error_code=50, labels=["UnknownTransactionCommitResult"])
+        await failpoints.fail(["commitTransaction"], code=50, labels=["UnknownTransactionCommitResult"])
         await publish(amqp, q, {"n": 1})
         observed = await wait_observations(managed, 1)
     assert observed[0].outcome == "acked"

@@ -5,14 +5,17 @@ Every consumer here points at a closed AMQP port: a test passing proves the brok
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
 import pydantic
 import pytest
 from pymongo import AsyncMongoClient
+from pymongo.errors import OperationFailure, PyMongoError
 
 from lily_mongo import (
+    ConfigError,
     Consumer,
     EventId,
     Json,
@@ -113,18 +116,15 @@ async def publish_under(
     client: AsyncMongoClient[Any], database: str, inject: str, order_id: str
 ) -> tuple[DeliveryResult, int]:
     """One order delivered with the fault ``inject`` armed; its result and how many times it was applied."""
-    faults = Faults(client)
     async with TestConsumer(orders_consumer(client, database, apply_order)) as tc:
-        await getattr(faults, inject)(1)
-        try:
+        async with Faults(client) as faults:
+            await getattr(faults, inject)(1)
             result = await tc.publish_json("orders", {"order_id": order_id, "total": 1}, version=1)
-        finally:
-            await faults.clear()
         return result, await tc.database["orders"].count_documents({"_id": order_id})
 
 
 async def test_an_injected_transient_error_replays(
-    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Any
+    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Faults
 ) -> None:
     result, applied = await publish_under(mongo_client, database_name, "transient_operations", "o3")
     assert result.outcome == "acked"
@@ -133,7 +133,7 @@ async def test_an_injected_transient_error_replays(
 
 
 async def test_an_injected_ambiguous_commit_is_reconciled(
-    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Any
+    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Faults
 ) -> None:
     result, applied = await publish_under(mongo_client, database_name, "ambiguous_commits", "o4")
     assert result.outcome == "acked"
@@ -151,6 +151,102 @@ async def test_a_lease_held_elsewhere_defers_without_running_the_handler(
         assert (result.outcome, result.code, result.settlement) == ("deferred", "LEASE_HELD", "nack_requeue")
         assert len(tc.requeued) == 1
         assert await tc.database["orders"].count_documents({}) == 0
+
+
+# -- Faults, the failpoint itself ---------------------------------------------------------------------
+# Each test commands the server directly with PyMongo, so what it sees is the failpoint alone.
+
+
+async def test_a_fault_fails_the_next_times_of_its_commands_with_its_code_labels_and_message(
+    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Faults
+) -> None:
+    orders = mongo_client[database_name]["orders"]
+    await failpoints.fail("insert", code=112, labels=["TransientTransactionError"], times=2, message="injected")
+    for n in range(2):
+        with pytest.raises(OperationFailure) as failure:
+            await orders.insert_one({"_id": n})
+        assert failure.value.code == 112
+        assert failure.value.has_error_label("TransientTransactionError")
+        assert "injected" in str(failure.value)
+    assert await orders.find_one({}) is None  # other commands are not failed
+    await orders.insert_one({"_id": "third"})
+    assert await orders.distinct("_id") == ["third"]
+
+
+async def test_a_fault_without_times_stays_on_and_the_context_manager_clears_it_on_an_error(
+    mongo_client: AsyncMongoClient[Any], database_name: str
+) -> None:
+    orders = mongo_client[database_name]["orders"]
+    refused: list[int] = []
+
+    async def scenario() -> None:
+        async with Faults(mongo_client) as faults:
+            await faults.fail(["insert"], code=8, times=None)
+            for n in range(3):
+                with pytest.raises(OperationFailure) as failure:
+                    await orders.insert_one({"_id": n})
+                refused.append(failure.value.code or 0)
+            raise RuntimeError("the scenario failed")
+
+    with pytest.raises(RuntimeError, match="the scenario failed"):
+        await scenario()
+    assert refused == [8, 8, 8]
+    await orders.insert_one({"_id": "after"})
+    assert await orders.distinct("_id") == ["after"]
+
+
+async def test_a_fault_with_a_namespace_fails_that_collection_only(
+    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Faults
+) -> None:
+    db = mongo_client[database_name]
+    await failpoints.fail(["insert"], times=None, namespace=f"{database_name}.records")
+    await db["effects"].insert_one({"_id": 1})
+    with pytest.raises(OperationFailure):
+        await db["records"].insert_one({"_id": 1})
+    assert (await db["effects"].count_documents({}), await db["records"].count_documents({})) == (1, 0)
+
+
+async def test_a_fault_can_block_the_connection_before_it_fails(
+    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Faults
+) -> None:
+    orders = mongo_client[database_name]["orders"]
+    await failpoints.fail(["find"], block_ms=300)
+    started = time.monotonic()
+    with pytest.raises(OperationFailure):
+        await orders.find_one({})
+    assert time.monotonic() - started >= 0.25
+    assert await orders.find_one({}) is None  # once only
+
+
+async def test_a_fault_that_closes_the_connection_fails_the_command_once(
+    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Faults
+) -> None:
+    # MongoDB drops the socket (PyMongo raises AutoReconnect); the emulator answers an error
+    # reply instead (docs/emulator.md). Either way the command fails, and only that once.
+    orders = mongo_client[database_name]["orders"]
+    await failpoints.fail(["find"], close_connection=True)
+    with pytest.raises(PyMongoError):
+        await orders.find_one({})
+    assert await orders.find_one({}) is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        ({"commands": []}, "commands must name at least one command, got none"),
+        ({"commands": ["insert", ""]}, "commands must be command names, got str '' (length 0)"),
+        ({"commands": ["insert"], "times": 0}, "times must be an integer 1..2147483647, got int 0"),
+        ({"commands": ["insert"], "block_ms": -1}, "block_ms must be an integer 0..2147483647, got int -1"),
+        ({"commands": ["insert"], "code": "112"}, "code must be an integer 0..2147483647, got str '112' (length 3)"),
+        ({"commands": ["insert"], "close_connection": 1}, "close_connection must be True or False, got int 1"),
+    ],
+)
+async def test_a_fault_refuses_arguments_the_server_could_not_take(
+    mongo_client: AsyncMongoClient[Any], failpoints: Faults, arguments: dict[str, Any], says: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        await failpoints.fail(**arguments)
+    assert str(refused.value) == says
 
 
 # -- check_idempotent -------------------------------------------------------------------------------
@@ -183,12 +279,14 @@ def ledger_consumer(client: AsyncMongoClient[Any], handler: Any) -> Consumer:
 PAYLOADS = [{"order_id": f"o{n}", "total": n + 1} for n in range(3)]
 
 
-async def test_check_idempotent_passes_a_correct_handler(mongo_client: AsyncMongoClient[Any], failpoints: Any) -> None:
+async def test_check_idempotent_passes_a_correct_handler(
+    mongo_client: AsyncMongoClient[Any], failpoints: Faults
+) -> None:
     await check_idempotent(ledger_consumer(mongo_client, correct_ledger), "ledger", PAYLOADS, ledger)
 
 
 async def test_check_idempotent_finds_a_handler_that_writes_outside_its_session(
-    mongo_client: AsyncMongoClient[Any], failpoints: Any
+    mongo_client: AsyncMongoClient[Any], failpoints: Faults
 ) -> None:
     # On MongoDB the replayed write doubles the ledger ("not idempotent"); the emulator fails
     # the attempt's commit on the write outside the session every time, so the clean run
