@@ -16,7 +16,7 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from lily_mongo.testing import Faults
-from tests.support import BrokerNames, amqp_url
+from tests.support import Broker, BrokerNames, MongoDB, amqp_url
 
 # The MongoDB fixtures are the package's own pytest plugin's (lily_mongo.pytest_plugin),
 # under the names these tests use.
@@ -76,3 +76,20 @@ async def names(amqp_connection: aio_pika.abc.AbstractConnection) -> AsyncIterat
         yield broker_names
     finally:
         await broker_names.cleanup(amqp_connection)
+
+
+@pytest.fixture
+def broker(
+    amqp: str,
+    names: BrokerNames,
+    amqp_connection: aio_pika.abc.AbstractConnection,
+    amqp_channel: aio_pika.abc.AbstractChannel,
+) -> Broker:
+    """The test's RabbitMQ in one object: URL, unique names, inspection, consumers and publishing."""
+    return Broker(amqp, names, amqp_connection, amqp_channel)
+
+
+@pytest.fixture
+def mongodb(mongo_uri: str, mongo_client: AsyncMongoClient[Any], database_name: str) -> MongoDB:
+    """The test's MongoDB in one object: URI, client and a fresh database."""
+    return MongoDB(mongo_uri, mongo_client, database_name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import decimal
 import inspect
@@ -20,9 +21,11 @@ import aio_pika.abc
 import aiormq.exceptions
 from pamqp import commands as spec
 from pamqp import frame as pamqp_frame
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.database import AsyncDatabase
 from yarl import URL
 
-from lily_mongo import Consumer, ManagedConsumer, TerminalObservation
+from lily_mongo import Consumer, Json, ManagedConsumer, Publisher, QueueOptions, TerminalObservation, queue
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 T = TypeVar("T")
@@ -129,6 +132,103 @@ async def queue_exists(connection: aio_pika.abc.AbstractConnection, name: str) -
         if not channel.is_closed:
             await channel.close()
     return True
+
+
+# -- the servers of one test -----------------------------------------------------------------------
+
+QUEUE_SETTINGS = frozenset(f.name for f in dataclasses.fields(QueueOptions)) - {"name"}
+
+
+@dataclass
+class MongoDB:
+    """The MongoDB one test uses: its URI, a client, and a fresh database (dropped afterwards)."""
+
+    uri: str
+    client: AsyncMongoClient[Any]
+    name: str
+
+    @property
+    def db(self) -> AsyncDatabase[Any]:
+        return self.client[self.name]
+
+
+@dataclass
+class Broker:
+    """The RabbitMQ one test uses: its URL, the test's unique names, a connection and a channel to look with."""
+
+    url: str
+    names: BrokerNames
+    connection: aio_pika.abc.AbstractConnection
+    channel: aio_pika.abc.AbstractChannel
+
+    def queue(self, base: str = "q") -> str:
+        """A queue name unique to this test (deleted afterwards, with its retry buckets and DLQ)."""
+        return self.names.queue(base)
+
+    def consumer(
+        self,
+        q: str,
+        *handlers: Callable[..., Awaitable[None]],
+        name: str = "t",
+        mongodb: MongoDB | None = None,
+        **options: Any,
+    ) -> Consumer:
+        """A consumer of ``q`` on this broker linking ``handlers`` (with an inbox in ``mongodb``, if given).
+
+        ``options`` that name a :class:`QueueOptions` field configure ``q``; the others go to the
+        :class:`Consumer` (``graceful_timeout``, ``inbox``, ``telemetry``, ``amqp_url``, ...).
+        """
+        queue_options = {key: value for key, value in options.items() if key in QUEUE_SETTINGS}
+        settings = {key: value for key, value in options.items() if key not in QUEUE_SETTINGS}
+        settings.setdefault("amqp_url", self.url)
+        if mongodb is not None:
+            settings.update(mongo_client=mongodb.client, database=mongodb.name)
+        consumer = Consumer(name=name, **settings)
+        consumer.configure_queue(q, **queue_options)
+        consumer.include(*handlers)
+        return consumer
+
+    async def publish(self, q: str, payload: Any = None, **options: Any) -> uuid.UUID:
+        """Publish one JSON message (``{"n": 1}`` by default; version 1 unless ``version=``) to ``q``; its event id."""
+        [event_id] = await self.publish_all(q, [{"n": 1} if payload is None else payload], **options)
+        return event_id
+
+    async def publish_all(self, q: str, payloads: Iterable[Any], **options: Any) -> list[uuid.UUID]:
+        """Publish each payload as one JSON message to ``q``, in order, over one connection; their event ids."""
+        options.setdefault("version", 1)
+        async with Publisher(self.url) as publisher:
+            return [await publisher.publish_json(q, payload, **options) for payload in payloads]
+
+    async def depth(self, name: str) -> int:
+        return await queue_depth(self.channel, name)
+
+    async def depths(self, *names: str) -> list[int]:
+        return [await queue_depth(self.channel, name) for name in names]
+
+    async def topology_depths(self, q: str) -> list[int]:
+        """Ready messages in ``q``, its first retry bucket and its DLQ."""
+        return await self.depths(q, f"{q}.retry.0", f"{q}.dlq")
+
+    async def wait_for_depth(self, name: str, expected: int, timeout: float = 15.0) -> int:
+        return await wait_for_depth(self.channel, name, expected, timeout)
+
+    async def drain(self, name: str) -> list[aio_pika.abc.AbstractIncomingMessage]:
+        return await drain(self.channel, name)
+
+    async def declare(self, name: str) -> str:
+        """Declare a plain durable queue (a downstream destination); return its name."""
+        await self.channel.declare_queue(name, durable=True)
+        return name
+
+
+def accepting(q: str) -> Callable[..., Awaitable[None]]:
+    """A json v1 handler on ``q`` that accepts every delivery and does nothing."""
+
+    @queue(q, version=1, content="json")
+    async def accept(body: Json[dict[str, Any]]) -> None:
+        return None
+
+    return accept
 
 
 # -- polling --------------------------------------------------------------------------------------

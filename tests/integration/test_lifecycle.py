@@ -10,7 +10,7 @@ import shutil
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
 from typing import Any
 
 import aio_pika
@@ -34,14 +34,13 @@ from lily_mongo import (
     queue,
 )
 from tests.support import (
-    BrokerNames,
+    Broker,
+    MongoDB,
+    accepting,
     consumer_count,
-    drain,
     eventually,
     new_tasks,
-    queue_depth,
     queue_exists,
-    wait_for_depth,
 )
 
 Body = Json[dict[str, Any]]
@@ -77,6 +76,19 @@ async def _broker_connection_pids(connection_name: str) -> list[str]:
     out = await _rabbitmqctl("list_connections", "-q", "--no-table-headers", "pid", "client_properties")
     marker = f'{{"connection_name","{connection_name}"}}'
     return [line.split("\t", 1)[0] for line in out.splitlines() if marker in line]
+
+
+async def _close_from_the_broker(connection_name: str) -> None:
+    """The broker closes the (one) connection named ``connection_name``, as an operator or a failover would."""
+    [pid] = await _broker_connection_pids(connection_name)
+    await _rabbitmqctl("close_connection", pid, "lifecycle test")
+
+
+async def _reconnect_under_a_held_handler(managed: ManagedConsumer, gate: Gate, connection_name: str) -> None:
+    """Once a handler holds at ``gate``, the broker closes the consumer's connection; wait for the reconnect."""
+    await eventually(lambda: gate.entered == 1, what="the held handler")
+    await _close_from_the_broker(connection_name)
+    await eventually(lambda: managed.snapshot().transport_generation == 2, what="the reconnect")
 
 
 def _outcomes(managed: ManagedConsumer, event_id: uuid.UUID) -> list[str]:
@@ -164,39 +176,62 @@ class Stubborn:
             await self.done.wait()
 
 
-def stubborn_consumer(
-    amqp: str, q: str, *, consumer: dict[str, Any] | None = None, **queue_options: Any
-) -> tuple[Consumer, Stubborn]:
-    """A consumer of ``q`` (one permit, prefetch 1) whose handler is a :class:`Stubborn` body."""
-    built = Consumer(amqp_url=amqp, name="t", **(consumer or {}))
-    built.configure_queue(q, concurrency=1, prefetch=1, **queue_options)
-    stubborn = Stubborn()
+class Sleeper:
+    """A handler body that takes ``seconds`` per delivery, noting that it entered and which events it finished."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.entered = asyncio.Event()
+        self.finished: list[uuid.UUID] = []
+
+    async def run(self, event_id: uuid.UUID) -> None:
+        self.entered.set()
+        await asyncio.sleep(self.seconds)
+        self.finished.append(event_id)
+
+    async def wait_entered(self) -> None:
+        async with asyncio.timeout(10):
+            await self.entered.wait()
+
+
+def one_at_a_time(broker: Broker, q: str, body: Callable[[uuid.UUID], Awaitable[None]], **options: Any) -> Consumer:
+    """A consumer of ``q`` with one permit and prefetch 1 whose handler awaits ``body(event_id)``."""
 
     @queue(q, version=1)
-    async def handler(body: Body) -> None:
-        await stubborn.run()
+    async def handler(payload: Body, event_id: EventId) -> None:
+        await body(event_id)
 
-    built.include(handler)
-    return built, stubborn
+    return broker.consumer(q, handler, concurrency=1, prefetch=1, **options)
+
+
+def sleeper_on(broker: Broker, base: str, seconds: float) -> tuple[str, Sleeper, Consumer]:
+    """A fresh queue, a :class:`Sleeper` taking ``seconds`` per delivery, and its one-at-a-time consumer."""
+    q = broker.queue(base)
+    sleeper = Sleeper(seconds)
+    return q, sleeper, one_at_a_time(broker, q, sleeper.run)
+
+
+async def in_background[T](consumer: Consumer, run: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """``run`` (the consumer's ``run()`` or ``run_with_cancellation()``) in a task, once the consumer runs."""
+    task = asyncio.create_task(run)
+    await eventually(lambda: consumer.state == "running", what="the consumer to run")
+    return task
+
+
+async def assert_settled_and_detached(broker: Broker, q: str) -> None:
+    """Nothing is back in ``q`` (an unacked delivery would be) and no consumer is attached to it."""
+    assert await broker.depth(q) == 0
+    assert await consumer_count(broker.connection, q) == 0
 
 
 # -- cancellation rules -------------------------------------------------------------------------
 
 
 @needs_rabbitmqctl
-async def test_cancel_start_while_connecting_leaves_nothing_running(
-    amqp: str, amqp_connection: aio_pika.abc.AbstractConnection, names: BrokerNames
-) -> None:
-    q = names.queue("cancel-connect")
+async def test_cancel_start_while_connecting_leaves_nothing_running(broker: Broker) -> None:
+    q = broker.queue("cancel-connect")
     connection_name = _connection_name()
-    consumer = Consumer(amqp_url=_with_query(amqp, name=connection_name), name="t")
-    consumer.configure_queue(q)
-
-    @queue(q, version=1)
-    async def handler(body: Body) -> None:
-        pass
-
-    consumer.include(handler)
+    consumer = broker.consumer(q, accepting(q), amqp_url=_with_query(broker.url, name=connection_name))
     before = asyncio.all_tasks()
     try:
         task = asyncio.create_task(consumer.start())
@@ -207,45 +242,38 @@ async def test_cancel_start_while_connecting_leaves_nothing_running(
         await asyncio.sleep(0.5)  # long enough for a leaked background connect to finish
         assert await _broker_connection_pids(connection_name) == []
         assert new_tasks(before) == set()
-        assert await consumer_count(amqp_connection, q) in (None, 0)
+        assert await consumer_count(broker.connection, q) in (None, 0)
         assert consumer.state == "stopped"
     finally:
         await _close_leaked_connections(before)
 
 
 @needs_rabbitmqctl
-async def test_cancel_start_while_declaring_a_large_topology_tears_down(
-    amqp: str, amqp_connection: aio_pika.abc.AbstractConnection, names: BrokerNames
-) -> None:
+async def test_cancel_start_while_declaring_a_large_topology_tears_down(broker: Broker) -> None:
     # Four queues with 32 retry buckets each: 136 declarations, each on its own channel.
-    queues = [names.queue(f"cancel-declare-{i}") for i in range(4)]
+    queues = [broker.queue(f"cancel-declare-{i}") for i in range(4)]
     connection_name = _connection_name()
-    consumer = Consumer(amqp_url=_with_query(amqp, name=connection_name), name="t")
+    consumer = Consumer(amqp_url=_with_query(broker.url, name=connection_name), name="t")
     for q in queues:
         consumer.configure_queue(q, retry=RetryPolicy(max_retries=32, delays=tuple(1.0 + i for i in range(32))))
-
-        @queue(q, version=1)
-        async def handler(body: Body) -> None:
-            pass
-
-        consumer.include(handler)
+        consumer.include(accepting(q))
     before = asyncio.all_tasks()
     try:
         task = asyncio.create_task(consumer.start())
         # Cancel once the second queue is declared: the topology is half done.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
-        while not await queue_exists(amqp_connection, queues[1]):
+        while not await queue_exists(broker.connection, queues[1]):
             assert not task.done(), "start() finished before the test could cancel it"
             assert loop.time() < deadline
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not await queue_exists(amqp_connection, f"{queues[3]}.dlq"), "start() got further than expected"
+        assert not await queue_exists(broker.connection, f"{queues[3]}.dlq"), "start() got further than expected"
         assert await _broker_connection_pids(connection_name) == []
         assert new_tasks(before) == set()
         for q in queues:
-            assert await consumer_count(amqp_connection, q) in (None, 0)
+            assert await consumer_count(broker.connection, q) in (None, 0)
         assert consumer.state == "stopped"
         with pytest.raises(ValueError, match="stopped"):
             await consumer.start()
@@ -254,32 +282,11 @@ async def test_cancel_start_while_declaring_a_large_topology_tears_down(
 
 
 @pytest.mark.parametrize("cancels", [1, 2], ids=["cancel-once", "cancel-twice"])
-async def test_cancel_run_drains_in_flight_work_before_propagating(
-    cancels: int,
-    amqp: str,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    names: BrokerNames,
-) -> None:
-    q = names.queue("cancel-run")
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, concurrency=1, prefetch=1)
-    entered = asyncio.Event()
-    finished: list[uuid.UUID] = []
-
-    @queue(q, version=1)
-    async def handler(body: Body, event_id: EventId) -> None:
-        entered.set()
-        await asyncio.sleep(0.8)
-        finished.append(event_id)
-
-    consumer.include(handler)
-    run = asyncio.create_task(consumer.run())
-    await eventually(lambda: consumer.state == "running", what="the consumer to run")
-    async with Publisher(amqp) as publisher:
-        event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-    async with asyncio.timeout(10):
-        await entered.wait()
+async def test_cancel_run_drains_in_flight_work_before_propagating(cancels: int, broker: Broker) -> None:
+    q, handler, consumer = sleeper_on(broker, "cancel-run", 0.8)
+    run = await in_background(consumer, consumer.run())
+    event_id = await broker.publish(q)
+    await handler.wait_entered()
     run.cancel()
     if cancels == 2:
         await asyncio.sleep(0.1)
@@ -287,34 +294,17 @@ async def test_cancel_run_drains_in_flight_work_before_propagating(
     with pytest.raises(asyncio.CancelledError):
         await run
     # Graceful shutdown completed before the cancellation surfaced.
-    assert finished == [event_id]
-    assert await queue_depth(amqp_channel, q) == 0  # ACKed: an unacked delivery would be back in the queue
-    assert await consumer_count(amqp_connection, q) == 0
+    assert handler.finished == [event_id]
+    await assert_settled_and_detached(broker, q)
     assert consumer.state == "stopped"
 
 
-async def test_run_with_cancellation_event_returns_a_successful_report(
-    amqp: str,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    names: BrokerNames,
-) -> None:
-    q = names.queue("run-event")
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, concurrency=1, prefetch=1)
-    seen: list[uuid.UUID] = []
-
-    @queue(q, version=1)
-    async def handler(body: Body, event_id: EventId) -> None:
-        seen.append(event_id)
-
-    consumer.include(handler)
+async def test_run_with_cancellation_event_returns_a_successful_report(broker: Broker) -> None:
+    q, handler, consumer = sleeper_on(broker, "run-event", 0.0)
     stop = asyncio.Event()
-    run = asyncio.create_task(consumer.run_with_cancellation(stop))
-    await eventually(lambda: consumer.state == "running", what="the consumer to run")
-    async with Publisher(amqp) as publisher:
-        event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-    await eventually(lambda: seen == [event_id], what="the delivery")
+    run = await in_background(consumer, consumer.run_with_cancellation(stop))
+    event_id = await broker.publish(q)
+    await eventually(lambda: handler.finished == [event_id], what="the delivery")
     stop.set()
     async with asyncio.timeout(10):
         report = await run
@@ -322,64 +312,31 @@ async def test_run_with_cancellation_event_returns_a_successful_report(
     assert report.succeeded is True
     assert report.forced is False
     assert report.unresolved == 0
-    assert await queue_depth(amqp_channel, q) == 0
-    assert await consumer_count(amqp_connection, q) == 0
+    await assert_settled_and_detached(broker, q)
 
 
-async def test_cancel_run_with_cancellation_after_the_event_still_waits_for_the_shutdown(
-    amqp: str,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    names: BrokerNames,
-) -> None:
-    q = names.queue("run-event-cancel")
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, concurrency=1, prefetch=1)
-    entered = asyncio.Event()
-    finished: list[uuid.UUID] = []
-
-    @queue(q, version=1)
-    async def handler(body: Body, event_id: EventId) -> None:
-        entered.set()
-        await asyncio.sleep(0.8)
-        finished.append(event_id)
-
-    consumer.include(handler)
+async def test_cancel_run_with_cancellation_after_the_event_still_waits_for_the_shutdown(broker: Broker) -> None:
+    q, handler, consumer = sleeper_on(broker, "run-event-cancel", 0.8)
     stop = asyncio.Event()
-    run = asyncio.create_task(consumer.run_with_cancellation(stop))
-    await eventually(lambda: consumer.state == "running", what="the consumer to run")
-    async with Publisher(amqp) as publisher:
-        event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-    async with asyncio.timeout(10):
-        await entered.wait()
+    run = await in_background(consumer, consumer.run_with_cancellation(stop))
+    event_id = await broker.publish(q)
+    await handler.wait_entered()
     stop.set()
     await asyncio.sleep(0.1)  # the graceful shutdown is draining the held delivery
     run.cancel()
     with pytest.raises(asyncio.CancelledError):
         await run
-    finished_when_cancel_surfaced = list(finished)
+    finished_when_cancel_surfaced = list(handler.finished)
     stopped_when_cancel_surfaced = consumer.state == "stopped"
     # Hygiene: let a shutdown that went on in the background finish before asserting.
     await eventually(lambda: consumer.state == "stopped", what="the shutdown to end")
     assert finished_when_cancel_surfaced == [event_id]
     assert stopped_when_cancel_surfaced
-    assert await queue_depth(amqp_channel, q) == 0
-    assert await consumer_count(amqp_connection, q) == 0
+    await assert_settled_and_detached(broker, q)
 
 
-async def test_cancelling_wait_does_not_stop_the_consumer(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("cancel-wait")
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, concurrency=1, prefetch=1)
-    seen: list[uuid.UUID] = []
-
-    @queue(q, version=1)
-    async def handler(body: Body, event_id: EventId) -> None:
-        seen.append(event_id)
-
-    consumer.include(handler)
+async def test_cancelling_wait_does_not_stop_the_consumer(broker: Broker) -> None:
+    q, handler, consumer = sleeper_on(broker, "cancel-wait", 0.0)
     managed = await consumer.start()
     try:
         waiter = asyncio.create_task(managed.wait())
@@ -388,35 +345,21 @@ async def test_cancelling_wait_does_not_stop_the_consumer(
         with pytest.raises(asyncio.CancelledError):
             await waiter
         assert managed.state == "running"
-        async with Publisher(amqp) as publisher:
-            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        event_id = await broker.publish(q)
         await eventually(lambda: _outcomes(managed, event_id) == ["acked"], what="the ACK")
-        assert seen == [event_id]
-        assert await queue_depth(amqp_channel, q) == 0
+        assert handler.finished == [event_id]
+        assert await broker.depth(q) == 0
     finally:
         report = await managed.shutdown()
     assert report.succeeded is True
 
 
-async def test_cancelling_shutdown_does_not_cancel_the_supervisor(
-    amqp: str,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    names: BrokerNames,
-) -> None:
-    q = names.queue("cancel-shutdown")
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, concurrency=1, prefetch=1)
+async def test_cancelling_shutdown_does_not_cancel_the_supervisor(broker: Broker) -> None:
+    q = broker.queue("cancel-shutdown")
     gate = Gate()
-
-    @queue(q, version=1)
-    async def handler(body: Body) -> None:
-        await gate.hold()
-
-    consumer.include(handler)
+    consumer = one_at_a_time(broker, q, lambda _: gate.hold())
     managed = await consumer.start()
-    async with Publisher(amqp) as publisher:
-        event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+    event_id = await broker.publish(q)
     await eventually(lambda: gate.entered == 1, what="the handler")
     shutdown = asyncio.create_task(managed.shutdown())
     await asyncio.sleep(0.1)
@@ -432,19 +375,14 @@ async def test_cancelling_shutdown_does_not_cancel_the_supervisor(
     assert _outcomes(managed, event_id) == ["acked"]
     assert gate.finished == 1
     assert managed.state == "stopped"
-    assert await queue_depth(amqp_channel, q) == 0
-    assert await consumer_count(amqp_connection, q) == 0
+    await assert_settled_and_detached(broker, q)
 
 
 # -- graceful and forced shutdown ---------------------------------------------------------------
 
 
-async def test_graceful_shutdown_waits_for_eight_slow_handlers(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("graceful")
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, concurrency=8, prefetch=8)
+async def test_graceful_shutdown_waits_for_eight_slow_handlers(broker: Broker) -> None:
+    q = broker.queue("graceful")
     entered: list[uuid.UUID] = []
     finished: list[uuid.UUID] = []
 
@@ -454,10 +392,9 @@ async def test_graceful_shutdown_waits_for_eight_slow_handlers(
         await asyncio.sleep(1.0)
         finished.append(event_id)
 
-    consumer.include(handler)
+    consumer = broker.consumer(q, handler, concurrency=8, prefetch=8)
     managed = await consumer.start()
-    async with Publisher(amqp) as publisher:
-        event_ids = {await publisher.publish_json(q, {"n": n}, version=1) for n in range(8)}
+    event_ids = set(await broker.publish_all(q, [{"n": n} for n in range(8)]))
     await eventually(lambda: len(entered) == 8, what="eight handlers in flight")
     started = time.monotonic()
     report = await managed.shutdown()
@@ -472,21 +409,20 @@ async def test_graceful_shutdown_waits_for_eight_slow_handlers(
     assert sorted(o.outcome for o in observations) == ["acked"] * 8
     assert {o.event_id for o in observations} == event_ids
     assert all(o.ack_sent for o in observations)
-    assert await queue_depth(amqp_channel, q) == 0
+    assert await broker.depth(q) == 0
 
 
 async def test_forced_shutdown_reports_a_stubborn_delivery_unresolved_and_the_broker_redelivers_it(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
+    broker: Broker,
 ) -> None:
-    q = names.queue("forced")
+    q = broker.queue("forced")
     graceful, force = 0.5, 0.5
-    consumer, stubborn = stubborn_consumer(
-        amqp, q, consumer={"graceful_timeout": graceful, "force_timeout": force}, deadline=60.0
-    )
+    stubborn = Stubborn()
+    options = {"graceful_timeout": graceful, "force_timeout": force, "deadline": 60.0}
+    consumer = one_at_a_time(broker, q, lambda _: stubborn.run(), **options)
     managed = await consumer.start()
     try:
-        async with Publisher(amqp) as publisher:
-            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        event_id = await broker.publish(q)
         async with asyncio.timeout(10):
             await stubborn.entered.wait()
         started = time.monotonic()
@@ -505,19 +441,17 @@ async def test_forced_shutdown_reports_a_stubborn_delivery_unresolved_and_the_br
         assert report.action("drain").observed is False
         assert managed.state == "stopped"
         # The connection is closed: the unacked delivery is back in the queue.
-        assert await wait_for_depth(amqp_channel, q, 1) == 1
+        assert await broker.wait_for_depth(q, 1) == 1
     finally:
         await stubborn.end()
 
-    second = Consumer(amqp_url=amqp, name="t2")
-    second.configure_queue(q, concurrency=1, prefetch=1)
     seen: list[tuple[uuid.UUID, bool]] = []
 
     @queue(q, version=1)
     async def handler(body: Body, event_id: EventId, redelivered: Redelivered) -> None:
         seen.append((event_id, redelivered))
 
-    second.include(handler)
+    second = broker.consumer(q, handler, name="t2", concurrency=1, prefetch=1)
     managed2 = await second.start()
     try:
         await eventually(lambda: _outcomes(managed2, event_id) == ["acked"], what="the redelivery")
@@ -525,27 +459,18 @@ async def test_forced_shutdown_reports_a_stubborn_delivery_unresolved_and_the_br
         report2 = await managed2.shutdown()
     assert seen == [(event_id, True)]
     assert report2.succeeded is True
-    assert await queue_depth(amqp_channel, q) == 0
+    assert await broker.depth(q) == 0
 
 
-async def test_signals_first_requests_graceful_shutdown_second_forces(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("signals")
-    consumer = Consumer(amqp_url=amqp, name="t", graceful_timeout=30.0, force_timeout=1.0)
-    consumer.configure_queue(q, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=1, delays=(30.0,)))
+async def test_signals_first_requests_graceful_shutdown_second_forces(broker: Broker) -> None:
+    q = broker.queue("signals")
+    retry = RetryPolicy(max_retries=1, delays=(30.0,))
     gate = Gate()
-
-    @queue(q, version=1)
-    async def handler(body: Body) -> None:
-        await gate.hold()
-
-    consumer.include(handler)
+    consumer = one_at_a_time(broker, q, lambda _: gate.hold(), graceful_timeout=30.0, force_timeout=1.0, retry=retry)
     managed = await consumer.start()
     uninstall = managed.install_signal_handlers()
     try:
-        async with Publisher(amqp) as publisher:
-            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        event_id = await broker.publish(q)
         await eventually(lambda: gate.entered == 1, what="the handler")
         os.kill(os.getpid(), signal.SIGTERM)
         await eventually(lambda: managed.state == "draining", what="a graceful shutdown")
@@ -568,8 +493,8 @@ async def test_signals_first_requests_graceful_shutdown_second_forces(
     assert (observation.outcome, observation.code) == ("deferred", "SHUTDOWN")
     assert observation.handoff_confirmed is False
     assert dict(report.settled) == {"deferred": 1}
-    assert await queue_depth(amqp_channel, f"{q}.retry.0") == 0
-    [message] = await drain(amqp_channel, q)
+    assert await broker.depth(f"{q}.retry.0") == 0
+    [message] = await broker.drain(q)
     assert message.headers["x-lily-event-id"] == str(event_id)
     assert message.headers.get("x-retry-count", 0) == 0
 
@@ -577,19 +502,8 @@ async def test_signals_first_requests_graceful_shutdown_second_forces(
 # -- the delivery deadline ----------------------------------------------------------------------
 
 
-async def test_delivery_deadline_cancels_the_handler_and_hands_off_a_retry(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("deadline")
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(
-        q,
-        concurrency=1,
-        prefetch=1,
-        deadline=0.3,
-        cooperation_window=0.2,
-        retry=RetryPolicy(max_retries=2, delays=(30.0,)),
-    )
+async def test_delivery_deadline_cancels_the_handler_and_hands_off_a_retry(broker: Broker) -> None:
+    q = broker.queue("deadline")
     cancelled = asyncio.Event()
 
     @queue(q, version=1)
@@ -600,11 +514,11 @@ async def test_delivery_deadline_cancels_the_handler_and_hands_off_a_retry(
             cancelled.set()
             raise
 
-    consumer.include(handler)
+    retry = RetryPolicy(max_retries=2, delays=(30.0,))
+    consumer = broker.consumer(q, handler, concurrency=1, prefetch=1, deadline=0.3, cooperation_window=0.2, retry=retry)
     managed = await consumer.start()
     try:
-        async with Publisher(amqp) as publisher:
-            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        event_id = await broker.publish(q)
         await eventually(lambda: bool(_outcomes(managed, event_id)), what="the terminal outcome")
     finally:
         report = await managed.shutdown()
@@ -617,24 +531,21 @@ async def test_delivery_deadline_cancels_the_handler_and_hands_off_a_retry(
     assert cancelled.is_set()
     assert managed.snapshot().queues[0].abandoned == 0  # it cooperated within the window
     assert report.succeeded is True
-    assert await queue_depth(amqp_channel, q) == 0
-    [copy] = await drain(amqp_channel, f"{q}.retry.0")
+    assert await broker.depth(q) == 0
+    [copy] = await broker.drain(f"{q}.retry.0")
     assert copy.headers["x-lily-failure-code"] == "QUEUE_HANDLER_TIMEOUT"
     assert copy.headers["x-retry-count"] == 1
     assert copy.headers["x-lily-event-id"] == str(event_id)
 
 
-async def test_delivery_deadline_drops_a_handler_that_ignores_cancellation(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("deadline-drop")
-    consumer, stubborn = stubborn_consumer(
-        amqp, q, deadline=0.3, cooperation_window=0.2, retry=RetryPolicy(max_retries=2, delays=(30.0,))
-    )
+async def test_delivery_deadline_drops_a_handler_that_ignores_cancellation(broker: Broker) -> None:
+    q = broker.queue("deadline-drop")
+    stubborn = Stubborn()
+    retry = RetryPolicy(max_retries=2, delays=(30.0,))
+    consumer = one_at_a_time(broker, q, lambda _: stubborn.run(), deadline=0.3, cooperation_window=0.2, retry=retry)
     managed = await consumer.start()
     try:
-        async with Publisher(amqp) as publisher:
-            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        event_id = await broker.publish(q)
         await eventually(lambda: bool(_outcomes(managed, event_id)), what="the terminal outcome")
         observation = _observation(managed, event_id)
         # Deadline (0.3 s) + cooperation window (0.2 s), then the task is dropped.
@@ -645,26 +556,20 @@ async def test_delivery_deadline_drops_a_handler_that_ignores_cancellation(
     finally:
         await stubborn.end()
         await managed.shutdown()
-    assert await queue_depth(amqp_channel, q) == 0
-    assert await queue_depth(amqp_channel, f"{q}.retry.0") == 1
+    assert await broker.depth(q) == 0
+    assert await broker.depth(f"{q}.retry.0") == 1
 
 
-async def test_shutdown_report_does_not_claim_success_while_a_dropped_handler_still_runs(
-    amqp: str, names: BrokerNames
-) -> None:
-    q = names.queue("deadline-leftover")
-    consumer, stubborn = stubborn_consumer(
-        amqp,
-        q,
-        consumer={"force_timeout": 0.3},
-        deadline=0.2,
-        cooperation_window=0.1,
-        retry=RetryPolicy(max_retries=1, delays=(30.0,)),
+async def test_shutdown_report_does_not_claim_success_while_a_dropped_handler_still_runs(broker: Broker) -> None:
+    q = broker.queue("deadline-leftover")
+    retry = RetryPolicy(max_retries=1, delays=(30.0,))
+    stubborn = Stubborn()
+    consumer = one_at_a_time(
+        broker, q, lambda _: stubborn.run(), force_timeout=0.3, deadline=0.2, cooperation_window=0.1, retry=retry
     )
     managed = await consumer.start()
     try:
-        async with Publisher(amqp) as publisher:
-            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        event_id = await broker.publish(q)
         await eventually(lambda: _outcomes(managed, event_id) == ["retried"], what="the deadline")
         report = await managed.shutdown()
         assert not stubborn.done.is_set()  # the dropped handler outlived the shutdown
@@ -678,13 +583,9 @@ async def test_shutdown_report_does_not_claim_success_while_a_dropped_handler_st
 
 
 @needs_rabbitmqctl
-async def test_broker_closed_connection_leaves_old_deliveries_unresolved_and_consuming_resumes(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("conn-close")
+async def test_broker_closed_connection_leaves_old_deliveries_unresolved_and_consuming_resumes(broker: Broker) -> None:
+    q = broker.queue("conn-close")
     connection_name = _connection_name()
-    consumer = Consumer(amqp_url=_with_query(amqp, name=connection_name, reconnect_interval="0.2"), name="t")
-    consumer.configure_queue(q, concurrency=2, prefetch=2)
     gate = Gate()
     calls: list[tuple[uuid.UUID, bool]] = []
 
@@ -694,15 +595,15 @@ async def test_broker_closed_connection_leaves_old_deliveries_unresolved_and_con
         if not redelivered and body.get("hold"):
             await gate.hold()
 
-    consumer.include(handler)
+    url = _with_query(broker.url, name=connection_name, reconnect_interval="0.2")
+    consumer = broker.consumer(q, handler, amqp_url=url, concurrency=2, prefetch=2)
     managed = await consumer.start()
     try:
         assert managed.snapshot().transport_generation == 1
-        [pid] = await _broker_connection_pids(connection_name)
-        async with Publisher(amqp) as publisher:
+        async with Publisher(broker.url) as publisher:
             held = await publisher.publish_json(q, {"hold": True}, version=1)
             await eventually(lambda: gate.entered == 1, what="the held handler")
-            await _rabbitmqctl("close_connection", pid, "lifecycle test")
+            await _close_from_the_broker(connection_name)
             # The broker requeues the unacked delivery; the robust connection reconnects
             # and the redelivery reaches the handler while the first call still runs.
             await eventually(lambda: (held, True) in calls, what="the redelivery")
@@ -718,7 +619,7 @@ async def test_broker_closed_connection_leaves_old_deliveries_unresolved_and_con
         assert old.ack_sent is False
         assert calls.count((held, False)) == 1
         assert managed.snapshot().queues[0].unresolved == 1
-        assert await queue_depth(amqp_channel, q) == 0
+        assert await broker.depth(q) == 0
     finally:
         gate.release.set()
         report = await managed.shutdown()
@@ -727,12 +628,10 @@ async def test_broker_closed_connection_leaves_old_deliveries_unresolved_and_con
 
 @needs_rabbitmqctl
 async def test_transport_loss_is_settled_by_the_decision_table_not_by_a_crash(
-    amqp: str, names: BrokerNames, caplog: pytest.LogCaptureFixture
+    broker: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    q = names.queue("conn-close-reason")
+    q = broker.queue("conn-close-reason")
     connection_name = _connection_name()
-    consumer = Consumer(amqp_url=_with_query(amqp, name=connection_name, reconnect_interval="0.2"), name="t")
-    consumer.configure_queue(q, concurrency=2, prefetch=2)
     gate = Gate()
 
     @queue(q, version=1)
@@ -740,15 +639,12 @@ async def test_transport_loss_is_settled_by_the_decision_table_not_by_a_crash(
         if not redelivered:
             await gate.hold()
 
-    consumer.include(handler)
+    url = _with_query(broker.url, name=connection_name, reconnect_interval="0.2")
+    consumer = broker.consumer(q, handler, amqp_url=url, concurrency=2, prefetch=2)
     managed = await consumer.start()
     try:
-        [pid] = await _broker_connection_pids(connection_name)
-        async with Publisher(amqp) as publisher:
-            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-        await eventually(lambda: gate.entered == 1, what="the held handler")
-        await _rabbitmqctl("close_connection", pid, "lifecycle test")
-        await eventually(lambda: managed.snapshot().transport_generation == 2, what="the reconnect")
+        event_id = await broker.publish(q)
+        await _reconnect_under_a_held_handler(managed, gate, connection_name)
         caplog.clear()
         gate.release.set()
         await eventually(lambda: "unresolved" in _outcomes(managed, event_id), what="the old delivery to end")
@@ -763,21 +659,10 @@ async def test_transport_loss_is_settled_by_the_decision_table_not_by_a_crash(
 
 @needs_rabbitmqctl
 async def test_broker_closed_connection_with_the_inbox_applies_the_effect_once(
-    amqp: str,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    names: BrokerNames,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
+    broker: Broker, mongodb: MongoDB
 ) -> None:
-    q = names.queue("conn-close-inbox")
+    q = broker.queue("conn-close-inbox")
     connection_name = _connection_name()
-    consumer = Consumer(
-        amqp_url=_with_query(amqp, name=connection_name, reconnect_interval="0.2"),
-        name="t",
-        mongo_client=mongo_client,
-        database=database_name,
-    )
-    consumer.configure_queue(q, concurrency=1, prefetch=1)
     gate = Gate()
     runs: list[uuid.UUID] = []
 
@@ -788,15 +673,12 @@ async def test_broker_closed_connection_with_the_inbox_applies_the_effect_once(
         if len(runs) == 1:
             await gate.hold()
 
-    consumer.include(handler)
+    url = _with_query(broker.url, name=connection_name, reconnect_interval="0.2")
+    consumer = broker.consumer(q, handler, amqp_url=url, mongodb=mongodb, concurrency=1, prefetch=1)
     managed = await consumer.start()
     try:
-        [pid] = await _broker_connection_pids(connection_name)
-        async with Publisher(amqp) as publisher:
-            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
-        await eventually(lambda: gate.entered == 1, what="the held handler")
-        await _rabbitmqctl("close_connection", pid, "lifecycle test")
-        await eventually(lambda: managed.snapshot().transport_generation == 2, what="the reconnect")
+        event_id = await broker.publish(q)
+        await _reconnect_under_a_held_handler(managed, gate, connection_name)
         gate.release.set()
         await eventually(
             lambda: bool(_outcomes(managed, event_id)) and _outcomes(managed, event_id)[-1] in ("acked", "duplicate"),
@@ -804,11 +686,11 @@ async def test_broker_closed_connection_with_the_inbox_applies_the_effect_once(
             what="the redelivery to be settled",
         )
         assert "unresolved" in _outcomes(managed, event_id)  # the old generation's delivery
-        assert await wait_for_depth(amqp_channel, q, 0) == 0
+        assert await broker.wait_for_depth(q, 0) == 0
     finally:
         gate.release.set()
         report = await managed.shutdown()
-    database = mongo_client[database_name]
+    database = mongodb.db
     assert await database["effects"].count_documents({"event": str(event_id)}) == 1
     assert await database["lily_inbox"].count_documents({"event_id": str(event_id)}) == 1
     assert report.unresolved == 0
@@ -833,27 +715,19 @@ async def broker_user() -> AsyncIterator[tuple[str, str]]:
 
 
 async def test_snapshot_and_reprs_never_expose_ids_names_endpoints_or_credentials(
-    amqp: str, names: BrokerNames, broker_user: tuple[str, str]
+    broker: Broker, broker_user: tuple[str, str]
 ) -> None:
     user, password = broker_user
-    parsed = yarl.URL(amqp)
+    parsed = yarl.URL(broker.url)
     url = str(parsed.with_user(user).with_password(password))
     host_port = f"{parsed.host}:{parsed.port}"
-    q = names.queue("privacy-zebra-queue")
-    consumer = Consumer(amqp_url=url, name="t")
-    consumer.configure_queue(q, concurrency=2, prefetch=4)
-
-    @queue(q, version=1)
-    async def handler(body: Body) -> None:
-        pass
-
-    consumer.include(handler)
+    q = broker.queue("privacy-zebra-queue")
+    consumer = broker.consumer(q, accepting(q), amqp_url=url, concurrency=2, prefetch=4)
     managed = await consumer.start()
     event_ids = [uuid.uuid4() for _ in range(3)]
     try:
-        async with Publisher(amqp) as publisher:
-            for event_id in event_ids:
-                await publisher.publish_json(q, {"n": 1}, version=1, event_id=event_id)
+        for event_id in event_ids:
+            await broker.publish(q, event_id=event_id)
         await eventually(lambda: len(managed.delivery_terminal_observations()) == 3, what="three outcomes")
         snapshot = managed.snapshot()
         texts = [repr(snapshot), str(snapshot)]
@@ -876,20 +750,11 @@ async def test_snapshot_and_reprs_never_expose_ids_names_endpoints_or_credential
         assert password not in text
 
 
-async def test_terminal_observations_keep_the_last_4096(amqp: str, names: BrokerNames) -> None:
-    q = names.queue("cap")
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, concurrency=2, prefetch=4)
-
-    @queue(q, version=1)
-    async def handler(body: Body) -> None:
-        pass
-
-    consumer.include(handler)
-    managed = await consumer.start()
+async def test_terminal_observations_keep_the_last_4096(broker: Broker) -> None:
+    q = broker.queue("cap")
+    managed = await broker.consumer(q, accepting(q), concurrency=2, prefetch=4).start()
     try:
-        async with Publisher(amqp) as publisher:
-            real = [await publisher.publish_json(q, {"n": n}, version=1) for n in range(3)]
+        real = await broker.publish_all(q, [{"n": n} for n in range(3)])
         await eventually(lambda: len(managed.delivery_terminal_observations()) == 3, what="three outcomes")
         runtime = managed._runtime
         assert runtime is not None
@@ -921,25 +786,12 @@ async def test_terminal_observations_keep_the_last_4096(amqp: str, names: Broker
 # -- the shutdown report ------------------------------------------------------------------------
 
 
-async def test_shutdown_report_lists_each_step_with_ok_and_observed(amqp: str, names: BrokerNames) -> None:
-    q = names.queue("report")
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q)
-
-    @queue(q, version=1)
-    async def handler(body: Body) -> None:
-        pass
-
-    consumer.include(handler)
-    managed = await consumer.start()
+async def test_shutdown_report_lists_each_step_with_ok_and_observed(broker: Broker) -> None:
+    q = broker.queue("report")
+    managed = await broker.consumer(q, accepting(q)).start()
     report = await managed.shutdown()
-    assert [a.name for a in report.actions] == [
-        "stop_intake",
-        "drain",
-        "channel_close",
-        "connection_close",
-        "tasks_join",
-    ]
+    steps = ["stop_intake", "drain", "channel_close", "connection_close", "tasks_join"]
+    assert [a.name for a in report.actions] == steps
     for action in report.actions:
         assert (action.name, action.ok, action.observed, action.error) == (action.name, True, True, None)
         assert action.duration >= 0.0
@@ -955,22 +807,17 @@ async def test_shutdown_report_lists_each_step_with_ok_and_observed(amqp: str, n
     assert await managed.shutdown() is report
 
 
-async def test_shutdown_leaves_a_caller_owned_mongo_client_open(
-    amqp: str, names: BrokerNames, mongo_client: AsyncMongoClient[Any], database_name: str
-) -> None:
-    q = names.queue("report-inbox")
-    consumer = Consumer(amqp_url=amqp, name="t", mongo_client=mongo_client, database=database_name)
-    consumer.configure_queue(q, concurrency=1, prefetch=1)
+async def test_shutdown_leaves_a_caller_owned_mongo_client_open(broker: Broker, mongodb: MongoDB) -> None:
+    q = broker.queue("report-inbox")
 
     @queue(q, version=1)
     async def handler(body: Body, event_id: EventId, mongo: MongoScope) -> None:
         await mongo.database["effects"].insert_one({"event": str(event_id)}, session=mongo.session)
 
-    consumer.include(handler)
+    consumer = broker.consumer(q, handler, mongodb=mongodb, concurrency=1, prefetch=1)
     managed = await consumer.start()
     try:
-        async with Publisher(amqp) as publisher:
-            event_id = await publisher.publish_json(q, {"n": 1}, version=1)
+        event_id = await broker.publish(q)
         await eventually(lambda: _outcomes(managed, event_id) == ["acked"], timeout=20, what="the ACK")
     finally:
         report = await managed.shutdown()
@@ -985,22 +832,19 @@ async def test_shutdown_leaves_a_caller_owned_mongo_client_open(
     assert all(a.ok and a.observed for a in report.actions)
     assert report.succeeded is True
     # Caller-owned: still usable after shutdown.
-    assert await mongo_client[database_name]["effects"].count_documents({"event": str(event_id)}) == 1
+    assert await mongodb.db["effects"].count_documents({"event": str(event_id)}) == 1
 
 
-async def test_shutdown_closes_an_owned_mongo_client(
-    amqp: str, names: BrokerNames, mongo_uri: str, database_name: str
-) -> None:
-    client: AsyncMongoClient[Any] = AsyncMongoClient(mongo_uri, serverSelectionTimeoutMS=10_000)
-    q = names.queue("report-owned")
-    consumer = Consumer(amqp_url=amqp, name="t", mongo_client=client, database=database_name, owns_mongo_client=True)
-    consumer.configure_queue(q, concurrency=1, prefetch=1)
+async def test_shutdown_closes_an_owned_mongo_client(broker: Broker, mongodb: MongoDB) -> None:
+    client: AsyncMongoClient[Any] = AsyncMongoClient(mongodb.uri, serverSelectionTimeoutMS=10_000)
+    q = broker.queue("report-owned")
 
     @queue(q, version=1)
     async def handler(body: Body, mongo: MongoScope) -> None:
         pass
 
-    consumer.include(handler)
+    owned = MongoDB(mongodb.uri, client, mongodb.name)
+    consumer = broker.consumer(q, handler, mongodb=owned, owns_mongo_client=True, concurrency=1, prefetch=1)
     try:
         managed = await consumer.start()
         report = await managed.shutdown()
@@ -1008,6 +852,6 @@ async def test_shutdown_closes_an_owned_mongo_client(
         assert (report.actions[-1].ok, report.actions[-1].observed) == (True, True)
         assert report.succeeded is True
         with pytest.raises(InvalidOperation):
-            await client[database_name]["effects"].find_one({})
+            await client[mongodb.name]["effects"].find_one({})
     finally:
         await client.close()

@@ -25,10 +25,8 @@ import pydantic
 import pytest
 
 from lily_mongo import (
-    Consumer,
     EventId,
     Json,
-    Publisher,
     QueueHandlerError,
     Redelivered,
     RetryCount,
@@ -37,7 +35,7 @@ from lily_mongo import (
     TerminalObservation,
     queue,
 )
-from tests.support import BrokerNames, drain, eventually, queue_depth, running, wait_observations
+from tests.support import Broker, eventually, running, wait_observations
 
 LONG_DELAY = 30.0  # long enough to inspect a retry copy in its bucket before the TTL sends it back
 
@@ -47,15 +45,6 @@ class Order(pydantic.BaseModel):
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-
-async def publish_orders(amqp: str, q: str, *ids: int, **options: Any) -> list[uuid.UUID]:
-    async with Publisher(amqp) as publisher:
-        return [await publisher.publish_json(q, {"id": i}, version=1, **options) for i in ids]
-
-
-async def depths(channel: aio_pika.abc.AbstractChannel, *queues: str) -> list[int]:
-    return [await queue_depth(channel, name) for name in queues]
 
 
 def assert_recent_timestamp(text: object) -> None:
@@ -105,39 +94,84 @@ def raising(error: BaseException | None = None, *, times: int | None = None) -> 
     return behaviour
 
 
+def retries(count: int, delay: float) -> RetryPolicy:
+    """``count`` retries, each waiting ``delay`` seconds in the one retry bucket."""
+    return RetryPolicy(max_retries=count, delays=(delay,))
+
+
+def orders(*ids: int) -> list[dict[str, int]]:
+    return [{"id": i} for i in ids]
+
+
+@dataclass
+class Settled:
+    """One run of the recording handler on a fresh queue: what it saw and how each delivery ended."""
+
+    q: str
+    calls: Calls
+    event_ids: list[uuid.UUID]
+    observations: list[TerminalObservation]
+    report: ShutdownReport
+
+    @property
+    def event_id(self) -> uuid.UUID:
+        """The event id of the one order published."""
+        [event_id] = self.event_ids
+        return event_id
+
+
+async def settle(
+    broker: Broker,
+    base: str,
+    behaviour: Callable[[int], Awaitable[None]],
+    *,
+    ends: int,
+    ids: tuple[int, ...] = (7,),
+    publish: dict[str, Any] | None = None,
+    started: Callable[[str], Awaitable[None]] | None = None,
+    **options: Any,
+) -> Settled:
+    """Consume a fresh queue with the recording handler running ``behaviour``, publish the orders ``ids``
+    (``publish`` holds publish options), wait until ``ends`` deliveries ended, then shut down.
+
+    ``started(q)`` runs once the consumer is up, before the publish; ``options`` configure the consumer.
+    """
+    q = broker.queue(base)
+    calls = Calls()
+    consumer = broker.consumer(q, recording_handler(q, calls, behaviour), **options)
+    async with running(consumer, expect_clean=False) as managed:
+        if started is not None:
+            await started(q)
+        event_ids = await broker.publish_all(q, orders(*ids), **(publish or {}))
+        observations = await wait_observations(managed, ends)
+        report = await managed.shutdown()
+    return Settled(q, calls, event_ids, observations, report)
+
+
 # -- ACK ---------------------------------------------------------------------------------------------
 
 
-async def test_success_acks_the_original(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("ok")
-    calls = Calls()
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=2, delays=(0.2,)))
-    consumer.include(recording_handler(q, calls, raising()))
-    async with running(consumer, expect_clean=False) as managed:
-        [event_id] = await publish_orders(amqp, q, 7)
-        [obs] = await wait_observations(managed, 1)
-        report = await managed.shutdown()
+async def test_success_acks_the_original(broker: Broker) -> None:
+    run = await settle(broker, "ok", raising(), ends=1, retry=retries(2, 0.2))
+    [obs] = run.observations
     assert (obs.outcome, obs.ack_sent, obs.handoff_confirmed, obs.broker_native) == ("acked", True, False, False)
-    assert obs.event_id == event_id
+    assert obs.event_id == run.event_id
     assert obs.code is None
-    assert calls.ids == [7]
-    assert calls.retry_counts == [0]
-    assert report.succeeded
-    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 0]
+    assert run.calls.ids == [7]
+    assert run.calls.retry_counts == [0]
+    assert run.report.succeeded
+    assert await broker.topology_depths(run.q) == [0, 0, 0]
 
 
 @pytest.mark.parametrize("ack_delay", [0.0, 0.001, 0.02])
 async def test_out_of_order_completions_mixed_with_handoffs_settle_each_delivery_once(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, ack_delay: float
+    broker: Broker, ack_delay: float
 ) -> None:
     # Handlers finish in a shuffled order; every seventh fails permanently (copy to the DLQ,
     # then ACK), every fifth other one retryably (copy to the retry bucket, then ACK). With
     # ACKs sharing frames or not, each delivery ends exactly once, every copy is confirmed
     # before its original's ACK, and the broker holds nothing of the queue unacknowledged.
-    q = names.queue(f"coalesce-{int(ack_delay * 1000)}")
+    q = broker.queue(f"coalesce-{int(ack_delay * 1000)}")
     count = 60
     seen: list[int] = []
 
@@ -150,13 +184,10 @@ async def test_out_of_order_completions_mixed_with_handoffs_settle_each_delivery
         if order.id % 5 == 0:
             raise QueueHandlerError.retryable("PAYMENT_DOWN", "gateway 503")
 
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(
-        q, concurrency=16, prefetch=32, ack_delay=ack_delay, retry=RetryPolicy(max_retries=1, delays=(LONG_DELAY,))
-    )
-    consumer.include(handle)
+    retry = retries(1, LONG_DELAY)
+    consumer = broker.consumer(q, handle, concurrency=16, prefetch=32, ack_delay=ack_delay, retry=retry)
     async with running(consumer, expect_clean=False) as managed:
-        await publish_orders(amqp, q, *range(1, count + 1))
+        await broker.publish_all(q, orders(*range(1, count + 1)))
         observations = await wait_observations(managed, count)
         report = await managed.shutdown()
     dead = [i for i in range(1, count + 1) if i % 7 == 0]
@@ -167,35 +198,27 @@ async def test_out_of_order_completions_mixed_with_handoffs_settle_each_delivery
     assert all(o.handoff_confirmed for o in observations if o.outcome != "acked")
     assert sorted(seen) == list(range(1, count + 1))
     assert report.succeeded, report.render()
-    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, len(retried), len(dead)]
+    assert await broker.topology_depths(q) == [0, len(retried), len(dead)]
 
 
 # -- retry handoff ---------------------------------------------------------------------------------------
 
 
-async def test_retryable_failure_hands_a_copy_to_the_retry_bucket(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("retry")
-    calls = Calls()
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)))
-    consumer.include(
-        recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY", "stock service down")))
-    )
-    async with running(consumer, expect_clean=False) as managed:
-        [event_id] = await publish_orders(amqp, q, 7, headers={"x-tenant": "acme"})
-        [obs] = await wait_observations(managed, 1)
-        await managed.shutdown()
+async def test_retryable_failure_hands_a_copy_to_the_retry_bucket(broker: Broker) -> None:
+    busy = raising(QueueHandlerError.retryable("APP_BUSY", "stock service down"))
+    tenant = {"headers": {"x-tenant": "acme"}}
+    run = await settle(broker, "retry", busy, ends=1, publish=tenant, retry=retries(3, LONG_DELAY))
+    [obs] = run.observations
     assert (obs.outcome, obs.handoff_confirmed, obs.ack_sent) == ("retried", True, True)
     assert obs.code == "APP_BUSY"
-    assert calls.ids == [7]
+    assert run.calls.ids == [7]
     # The original is ACKed; exactly one copy waits in the first bucket.
-    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 1, 0]
-    [copy] = await drain(amqp_channel, f"{q}.retry.0")
+    q = run.q
+    assert await broker.topology_depths(q) == [0, 1, 0]
+    [copy] = await broker.drain(f"{q}.retry.0")
     headers = copy.headers
     assert headers["x-retry-count"] == 1
-    assert headers["x-lily-event-id"] == str(event_id)
+    assert headers["x-lily-event-id"] == str(run.event_id)
     assert headers["x-lily-schema-version"] == "1"
     assert headers["x-lily-content-kind"] == "json"
     assert headers["x-tenant"] == "acme"
@@ -207,38 +230,22 @@ async def test_retryable_failure_hands_a_copy_to_the_retry_bucket(
     assert copy.content_type == "application/json"
 
 
-async def test_retry_copy_returns_after_its_ttl_with_the_count_incremented(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("retry-ttl")
-    calls = Calls()
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(0.2,)))
-    consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"), times=2)))
-    async with running(consumer, expect_clean=False) as managed:
-        [event_id] = await publish_orders(amqp, q, 7)
-        observations = await wait_observations(managed, 3)
-        await managed.shutdown()
-    assert [o.outcome for o in observations] == ["retried", "retried", "acked"]
-    assert calls.retry_counts == [0, 1, 2]
-    assert calls.event_ids == [event_id] * 3
-    assert [o.event_id for o in observations] == [event_id] * 3
-    assert calls.redelivered == [False, False, False]  # a retry copy is a new message, not a redelivery
-    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 0]
+async def test_retry_copy_returns_after_its_ttl_with_the_count_incremented(broker: Broker) -> None:
+    run = await settle(
+        broker, "retry-ttl", raising(QueueHandlerError.retryable("APP_BUSY"), times=2), ends=3, retry=retries(3, 0.2)
+    )
+    assert [o.outcome for o in run.observations] == ["retried", "retried", "acked"]
+    assert run.calls.retry_counts == [0, 1, 2]
+    assert run.calls.event_ids == [run.event_id] * 3
+    assert [o.event_id for o in run.observations] == [run.event_id] * 3
+    assert run.calls.redelivered == [False, False, False]  # a retry copy is a new message, not a redelivery
+    assert await broker.topology_depths(run.q) == [0, 0, 0]
 
 
-async def test_retry_count_is_written_as_long_int_on_the_wire(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    q = names.queue("retry-wire")
-    calls = Calls()
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)))
-    consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"))))
-    async with running(consumer, expect_clean=False) as managed:
-        await publish_orders(amqp, q, 7)
-        await wait_observations(managed, 1)
-        await managed.shutdown()
+async def test_retry_count_is_written_as_long_int_on_the_wire(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = await settle(
+        broker, "retry-wire", raising(QueueHandlerError.retryable("APP_BUSY")), ends=1, retry=retries(3, LONG_DELAY)
+    )
 
     # Record the raw bytes of every top-level field table this process decodes
     # (content header "headers" property included) while reading the bucket copy.
@@ -251,7 +258,7 @@ async def test_retry_count_is_written_as_long_int_on_the_wire(
         return consumed, table
 
     monkeypatch.setitem(pamqp.decode.METHODS, "table", recording_table)
-    [copy] = await drain(amqp_channel, f"{q}.retry.0")
+    [copy] = await broker.drain(f"{run.q}.retry.0")
     monkeypatch.undo()
     assert copy.headers["x-retry-count"] == 1
     with_count = [raw for raw in raw_tables if b"\x0dx-retry-count" in raw]
@@ -263,28 +270,20 @@ async def test_retry_count_is_written_as_long_int_on_the_wire(
 # -- DLQ handoff -----------------------------------------------------------------------------------------
 
 
-async def test_retries_exhausted_go_to_the_dlq(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("exhausted")
-    calls = Calls()
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=2, delays=(0.1,)))
-    consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY", "still down"))))
-    async with running(consumer, expect_clean=False) as managed:
-        [event_id] = await publish_orders(amqp, q, 7)
-        observations = await wait_observations(managed, 3)
-        await managed.shutdown()
+async def test_retries_exhausted_go_to_the_dlq(broker: Broker) -> None:
+    busy = raising(QueueHandlerError.retryable("APP_BUSY", "still down"))
+    run = await settle(broker, "exhausted", busy, ends=3, retry=retries(2, 0.1))
+    observations = run.observations
     assert [o.outcome for o in observations] == ["retried", "retried", "dead_lettered"]
     assert observations[-1].code == "QUEUE_RETRIES_EXHAUSTED"
     assert observations[-1].handoff_confirmed
-    assert calls.retry_counts == [0, 1, 2]
-    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 1]
-    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert run.calls.retry_counts == [0, 1, 2]
+    assert await broker.topology_depths(run.q) == [0, 0, 1]
+    [copy] = await broker.drain(f"{run.q}.dlq")
     assert copy.headers["x-lily-failure-code"] == "QUEUE_RETRIES_EXHAUSTED"
-    assert copy.headers["x-lily-event-id"] == str(event_id)
+    assert copy.headers["x-lily-event-id"] == str(run.event_id)
     assert copy.headers["x-retry-count"] == 2
-    assert copy.headers["x-lily-failed-queue"] == q
+    assert copy.headers["x-lily-failed-queue"] == run.q
     reason = copy.headers["x-lily-failure-reason"]
     assert isinstance(reason, str)
     assert 0 < len(reason.encode()) <= 512
@@ -292,74 +291,47 @@ async def test_retries_exhausted_go_to_the_dlq(
     assert copy.body == b'{"id":7}'
 
 
-async def test_permanent_failure_goes_to_the_dlq_with_the_handler_code(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("permanent")
-    calls = Calls()
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(0.1,)))
+async def test_permanent_failure_goes_to_the_dlq_with_the_handler_code(broker: Broker) -> None:
     error = QueueHandlerError.permanent("ORDER_UNKNOWN", "no order 7 in the catalogue")
-    consumer.include(recording_handler(q, calls, raising(error)))
-    async with running(consumer, expect_clean=False) as managed:
-        [event_id] = await publish_orders(amqp, q, 7)
-        [obs] = await wait_observations(managed, 1)
-        await managed.shutdown()
+    run = await settle(broker, "permanent", raising(error), ends=1, retry=retries(3, 0.1))
+    [obs] = run.observations
     assert (obs.outcome, obs.code, obs.handoff_confirmed, obs.ack_sent) == (
         "dead_lettered",
         "ORDER_UNKNOWN",
         True,
         True,
     )
-    assert calls.ids == [7]
-    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 1]
-    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert run.calls.ids == [7]
+    assert await broker.topology_depths(run.q) == [0, 0, 1]
+    [copy] = await broker.drain(f"{run.q}.dlq")
     assert copy.headers["x-lily-failure-code"] == "ORDER_UNKNOWN"
     assert copy.headers["x-lily-failure-reason"] == "no order 7 in the catalogue"
-    assert copy.headers["x-lily-event-id"] == str(event_id)
-    assert copy.headers["x-lily-failed-queue"] == q
+    assert copy.headers["x-lily-event-id"] == str(run.event_id)
+    assert copy.headers["x-lily-failed-queue"] == run.q
     assert copy.headers["x-retry-count"] == 0
     assert "x-death" not in copy.headers  # published by the framework, not dead-lettered by the broker
 
 
-async def test_unknown_exception_is_retryable_by_default(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("unknown-retry")
-    calls = Calls()
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=1, delays=(0.1,)))
-    consumer.include(recording_handler(q, calls, raising(ValueError("boom"))))
-    async with running(consumer, expect_clean=False) as managed:
-        await publish_orders(amqp, q, 7)
-        observations = await wait_observations(managed, 2)
-        await managed.shutdown()
-    assert [(o.outcome, o.code) for o in observations] == [
+async def test_unknown_exception_is_retryable_by_default(broker: Broker) -> None:
+    run = await settle(broker, "unknown-retry", raising(ValueError("boom")), ends=2, retry=retries(1, 0.1))
+    assert [(o.outcome, o.code) for o in run.observations] == [
         ("retried", "QUEUE_HANDLER_FAILED"),
         ("dead_lettered", "QUEUE_RETRIES_EXHAUSTED"),
     ]
-    assert calls.retry_counts == [0, 1]
-    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 1]
-    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert run.calls.retry_counts == [0, 1]
+    assert await broker.topology_depths(run.q) == [0, 0, 1]
+    [copy] = await broker.drain(f"{run.q}.dlq")
     assert copy.headers["x-lily-failure-code"] == "QUEUE_RETRIES_EXHAUSTED"
 
 
-async def test_unknown_exception_is_permanent_when_configured(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("unknown-permanent")
-    calls = Calls()
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(0.1,)), unknown_errors="permanent")
-    consumer.include(recording_handler(q, calls, raising(ValueError("boom"))))
-    async with running(consumer, expect_clean=False) as managed:
-        await publish_orders(amqp, q, 7)
-        [obs] = await wait_observations(managed, 1)
-        await managed.shutdown()
+async def test_unknown_exception_is_permanent_when_configured(broker: Broker) -> None:
+    boom = raising(ValueError("boom"))
+    run = await settle(broker, "unknown-permanent", boom, ends=1, retry=retries(3, 0.1), unknown_errors="permanent")
+    [obs] = run.observations
     assert (obs.outcome, obs.code) == ("dead_lettered", "QUEUE_HANDLER_FAILED")
-    assert calls.ids == [7]
-    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 1]
-    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert run.calls.ids == [7]
+    assert await broker.topology_depths(run.q) == [0, 0, 1]
+    [copy] = await broker.drain(f"{run.q}.dlq")
     assert copy.headers["x-lily-failure-code"] == "QUEUE_HANDLER_FAILED"
     reason = copy.headers["x-lily-failure-reason"]
     assert isinstance(reason, str)
@@ -369,43 +341,43 @@ async def test_unknown_exception_is_permanent_when_configured(
 # -- handoff failure: bounded requeue ----------------------------------------------------------------------
 
 
-async def _break_bucket(channel: aio_pika.abc.AbstractChannel, bucket: str, how: str) -> None:
-    await channel.queue_delete(bucket)
-    if how == "nacked":
-        # A bucket that refuses every message: the broker answers the publish with basic.nack.
-        await channel.declare_queue(bucket, durable=True, arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
-
-
 @pytest.mark.parametrize("how", ["unroutable", "nacked"])
-async def test_handoff_failure_requeues_then_the_broker_dead_letters(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, how: str
-) -> None:
-    q = names.queue(f"handoff-{how}")
-    calls = Calls()
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)), max_handoff_failures=2)
-    consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"))))
-    async with running(consumer, expect_clean=False) as managed:
-        await _break_bucket(amqp_channel, f"{q}.retry.0", how)
-        event_ids = await publish_orders(amqp, q, 1, 2, 3)
-        observations = await wait_observations(managed, 6)
-        report = await managed.shutdown()
-    assert report.succeeded, report.render()
+async def test_handoff_failure_requeues_then_the_broker_dead_letters(broker: Broker, how: str) -> None:
+    async def break_bucket(q: str) -> None:
+        bucket = f"{q}.retry.0"
+        await broker.channel.queue_delete(bucket)
+        if how == "nacked":
+            # A bucket that refuses every message: the broker answers the publish with basic.nack.
+            refusing = {"x-max-length": 0, "x-overflow": "reject-publish"}
+            await broker.channel.declare_queue(bucket, durable=True, arguments=refusing)
+
+    run = await settle(
+        broker,
+        f"handoff-{how}",
+        raising(QueueHandlerError.retryable("APP_BUSY")),
+        ends=6,
+        ids=(1, 2, 3),
+        started=break_bucket,
+        retry=retries(3, LONG_DELAY),
+        max_handoff_failures=2,
+    )
+    q, observations = run.q, run.observations
+    assert run.report.succeeded, run.report.render()
     # Each message: one failed handoff (bounded requeue), then the bound is reached and
     # the broker dead-letters the original through Q's dead-letter exchange.
-    assert sorted(calls.ids) == [1, 1, 2, 2, 3, 3]
-    for event_id in event_ids:
+    assert sorted(run.calls.ids) == [1, 1, 2, 2, 3, 3]
+    for event_id in run.event_ids:
         mine = [o for o in observations if o.event_id == event_id]
         assert [o.outcome for o in mine] == ["handoff_failed", "broker_dead_lettered"]
         assert [o.code for o in mine] == ["APP_BUSY", "APP_BUSY"]  # the application failure is preserved
         assert [o.handoff_confirmed for o in mine] == [False, False]
         assert mine[1].broker_native
     # Nothing lost: 3 in, 3 in the DLQ, none left in Q.
-    assert await depths(amqp_channel, q, f"{q}.dlq") == [0, 3]
+    assert await broker.depths(q, f"{q}.dlq") == [0, 3]
     if how == "nacked":
-        assert await queue_depth(amqp_channel, f"{q}.retry.0") == 0
-    copies = await drain(amqp_channel, f"{q}.dlq")
-    assert sorted(c.headers["x-lily-event-id"] for c in copies) == sorted(str(e) for e in event_ids)
+        assert await broker.depth(f"{q}.retry.0") == 0
+    copies = await broker.drain(f"{q}.dlq")
+    assert sorted(c.headers["x-lily-event-id"] for c in copies) == sorted(str(e) for e in run.event_ids)
     for copy in copies:
         assert "x-lily-failure-code" not in copy.headers  # the original itself, dead-lettered by the broker
         [death] = copy.headers["x-death"]
@@ -491,23 +463,22 @@ async def relayed(amqp: str, query: str = "") -> AsyncIterator[tuple[Relay, str]
         await relay.close()
 
 
-async def test_handoff_confirm_timeout_requeues_the_original(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("handoff-timeout")
+async def test_handoff_confirm_timeout_requeues_the_original(broker: Broker) -> None:
+    q = broker.queue("handoff-timeout")
     calls = Calls()
-    async with relayed(amqp) as (relay, relayed_url):
+    async with relayed(broker.url) as (relay, relayed_url):
 
         async def behaviour(call: int) -> None:
             if call == 1:
                 relay.hold()  # the broker's confirm for the coming handoff cannot reach the consumer
             raise QueueHandlerError.retryable("APP_BUSY")
 
-        consumer = Consumer(amqp_url=relayed_url, name="t", confirm_timeout=0.5)
-        consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)))
-        consumer.include(recording_handler(q, calls, behaviour))
+        retry = retries(3, LONG_DELAY)
+        consumer = broker.consumer(
+            q, recording_handler(q, calls, behaviour), amqp_url=relayed_url, confirm_timeout=0.5, retry=retry
+        )
         async with running(consumer, expect_clean=False) as managed:
-            await publish_orders(amqp, q, 7)
+            await broker.publish_all(q, orders(7))
             [first] = await wait_observations(managed, 1)
             relay.release()
             observations = await wait_observations(managed, 2)
@@ -520,8 +491,8 @@ async def test_handoff_confirm_timeout_requeues_the_original(
     assert calls.retry_counts == [0, 0]  # a requeue after a failed handoff is not an application retry
     # The timed-out publish did reach the bucket (only its confirm was late): at least
     # once means two copies now, and the original is settled.
-    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 2, 0]
-    copies = await drain(amqp_channel, f"{q}.retry.0")
+    assert await broker.topology_depths(q) == [0, 2, 0]
+    copies = await broker.drain(f"{q}.retry.0")
     assert [c.headers["x-retry-count"] for c in copies] == [1, 1]
 
 
@@ -570,12 +541,11 @@ class AckLostRun:
     report: ShutdownReport
 
 
-async def _run_ack_lost_after_confirm(amqp: str, channel: aio_pika.abc.AbstractChannel, q: str) -> AckLostRun:
+async def _run_ack_lost_after_confirm(broker: Broker, q: str) -> AckLostRun:
     calls = Calls()
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(LONG_DELAY,)))
     # First attempt fails (retry handoff), the broker's redelivery then succeeds.
-    consumer.include(recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"), times=1)))
+    handler = recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"), times=1))
+    consumer = broker.consumer(q, handler, retry=retries(3, LONG_DELAY))
     async with running(consumer, expect_clean=False) as managed:
         runtime = managed._runtime
         assert runtime is not None
@@ -591,19 +561,17 @@ async def _run_ack_lost_after_confirm(amqp: str, channel: aio_pika.abc.AbstractC
         hook = _AfterConfirm(runtime.handoff_channel, close_consuming_channel)
         runtime.handoff_channel = hook  # type: ignore[assignment]
         try:
-            await publish_orders(amqp, q, 7)
+            await broker.publish_all(q, orders(7))
             observations = await wait_observations(managed, 2)
         finally:
             runtime.handoff_channel = hook.channel
         report = await managed.shutdown()
-    found = await depths(channel, q, f"{q}.retry.0", f"{q}.dlq")
-    return AckLostRun(observations, calls, hook.confirmed, found, await drain(channel, f"{q}.retry.0"), report)
+    found = await broker.topology_depths(q)
+    return AckLostRun(observations, calls, hook.confirmed, found, await broker.drain(f"{q}.retry.0"), report)
 
 
-async def test_ack_failure_after_a_confirmed_handoff_is_unresolved_and_not_repeated(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    run = await _run_ack_lost_after_confirm(amqp, amqp_channel, names.queue("ack-lost"))
+async def test_ack_failure_after_a_confirmed_handoff_is_unresolved_and_not_repeated(broker: Broker) -> None:
+    run = await _run_ack_lost_after_confirm(broker, broker.queue("ack-lost"))
     assert [o.outcome for o in run.observations] == ["unresolved", "acked"]
     assert not run.observations[0].ack_sent
     assert run.confirmed == 1  # no second handoff for the same attempt
@@ -617,9 +585,9 @@ async def test_ack_failure_after_a_confirmed_handoff_is_unresolved_and_not_repea
 
 
 async def test_ack_failure_after_a_confirmed_handoff_keeps_the_confirm_as_evidence(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, caplog: pytest.LogCaptureFixture
+    broker: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run = await _run_ack_lost_after_confirm(amqp, amqp_channel, names.queue("ack-lost-evidence"))
+    run = await _run_ack_lost_after_confirm(broker, broker.queue("ack-lost-evidence"))
     first = run.observations[0]
     assert first.outcome == "unresolved"
     assert first.handoff_confirmed
@@ -629,17 +597,13 @@ async def test_ack_failure_after_a_confirmed_handoff_keeps_the_confirm_as_eviden
 # -- body over the queue's max_body: broker-native dead-lettering -------------------------------------------
 
 
-async def test_body_over_max_body_is_dead_lettered_by_the_broker(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("too-large")
+async def test_body_over_max_body_is_dead_lettered_by_the_broker(broker: Broker) -> None:
+    q = broker.queue("too-large")
     calls = Calls()
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=3, delays=(0.1,)), max_body=64)
-    consumer.include(recording_handler(q, calls, raising()))
-    async with Publisher(amqp) as publisher, running(consumer, expect_clean=False) as managed:
-        big = await publisher.publish_json(q, {"id": 1, "pad": "x" * 100}, version=1)
-        small = await publisher.publish_json(q, {"id": 2}, version=1)
+    retry = retries(3, 0.1)
+    consumer = broker.consumer(q, recording_handler(q, calls, raising()), retry=retry, max_body=64)
+    async with running(consumer, expect_clean=False) as managed:
+        big, small = await broker.publish_all(q, [{"id": 1, "pad": "x" * 100}, {"id": 2}])
         observations = await wait_observations(managed, 2)
         await managed.shutdown()
     [rejected] = [o for o in observations if o.event_id != small]
@@ -648,8 +612,8 @@ async def test_body_over_max_body_is_dead_lettered_by_the_broker(
     assert not rejected.handoff_confirmed
     assert [o.outcome for o in observations if o.event_id == small] == ["acked"]
     assert calls.ids == [2]  # the handler never saw the oversized body
-    assert await depths(amqp_channel, q, f"{q}.retry.0", f"{q}.dlq") == [0, 0, 1]
-    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert await broker.topology_depths(q) == [0, 0, 1]
+    [copy] = await broker.drain(f"{q}.dlq")
     assert copy.headers["x-lily-event-id"] == str(big)
     assert "x-lily-failure-code" not in copy.headers
     [death] = copy.headers["x-death"]
@@ -669,9 +633,7 @@ class TransportLostRun:
     report: ShutdownReport
 
 
-async def _run_transport_lost(
-    amqp: str, channel: aio_pika.abc.AbstractChannel, q: str, *, lose: str
-) -> TransportLostRun:
+async def _run_transport_lost(broker: Broker, q: str, *, lose: str) -> TransportLostRun:
     """Two deliveries are in the handler when their channel (or connection) dies; they are released after."""
     calls = Calls()
     release = asyncio.Event()
@@ -680,15 +642,18 @@ async def _run_transport_lost(
         if call <= 2:
             await release.wait()
 
-    async with relayed(amqp, "reconnect_interval=0.2") as (relay, relayed_url):
-        consumer = Consumer(amqp_url=relayed_url if lose == "connection" else amqp, name="t")
-        # Permits for the two stuck deliveries and for their redeliveries.
-        consumer.configure_queue(q, concurrency=4, retry=RetryPolicy(max_retries=3, delays=(0.1,)))
-        consumer.include(recording_handler(q, calls, behaviour))
+    async with relayed(broker.url, "reconnect_interval=0.2") as (relay, relayed_url):
+        consumer = broker.consumer(
+            q,
+            recording_handler(q, calls, behaviour),
+            amqp_url=relayed_url if lose == "connection" else broker.url,
+            concurrency=4,  # permits for the two stuck deliveries and for their redeliveries
+            retry=retries(3, 0.1),
+        )
         async with running(consumer, expect_clean=False) as managed:
             runtime = managed._runtime
             assert runtime is not None
-            await publish_orders(amqp, q, 1, 2)
+            await broker.publish_all(q, orders(1, 2))
             await eventually(lambda: len(calls.ids) == 2, what="both deliveries in the handler")
             consuming = runtime.queues[q].channel
             assert consuming is not None
@@ -705,15 +670,15 @@ async def _run_transport_lost(
             observations = await wait_observations(managed, 4)
             generation = managed.snapshot().transport_generation
             report = await managed.shutdown()
-    found = await depths(channel, q, f"{q}.retry.0", f"{q}.dlq")
+    found = await broker.topology_depths(q)
     return TransportLostRun(observations, calls, found, generation, report)
 
 
 @pytest.mark.parametrize("lose", ["channel", "connection"])
 async def test_in_flight_deliveries_are_unresolved_and_redelivered_when_the_transport_is_lost(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, lose: str
+    broker: Broker, lose: str
 ) -> None:
-    run = await _run_transport_lost(amqp, amqp_channel, names.queue(f"lost-{lose}"), lose=lose)
+    run = await _run_transport_lost(broker, broker.queue(f"lost-{lose}"), lose=lose)
     assert [o.outcome for o in run.observations] == ["acked", "acked", "unresolved", "unresolved"]
     assert not any(o.ack_sent for o in run.observations[2:])
     assert sorted(run.calls.ids) == [1, 1, 2, 2]
@@ -727,28 +692,22 @@ async def test_in_flight_deliveries_are_unresolved_and_redelivered_when_the_tran
     assert run.report.succeeded, run.report.render()
 
 
-async def test_transport_lost_is_reported_as_such(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, caplog: pytest.LogCaptureFixture
-) -> None:
-    run = await _run_transport_lost(amqp, amqp_channel, names.queue("lost-reason"), lose="channel")
+async def test_transport_lost_is_reported_as_such(broker: Broker, caplog: pytest.LogCaptureFixture) -> None:
+    run = await _run_transport_lost(broker, broker.queue("lost-reason"), lose="channel")
     for obs in run.observations[2:]:
         assert obs.outcome == "unresolved"
         assert "transport lost" in obs.reason
     assert lily_errors(caplog) == []
 
 
-async def test_dlq_copy_keeps_the_original_message_properties(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("props")
+async def test_dlq_copy_keeps_the_original_message_properties(broker: Broker) -> None:
+    q = broker.queue("props")
 
     @queue(q, version=1)
     async def refuse(order: Json[Order]) -> None:
         raise QueueHandlerError.permanent("ORDER_INVALID", "no lines")
 
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=0, delays=()))
-    consumer.include(refuse)
+    consumer = broker.consumer(q, refuse, retry=RetryPolicy(max_retries=0, delays=()))
     sent_at = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
     headers = {
         "x-lily-event-id": str(uuid.uuid4()),
@@ -757,7 +716,7 @@ async def test_dlq_copy_keeps_the_original_message_properties(
         "x-tenant": "acme",
     }
     async with running(consumer, expect_clean=False) as managed:
-        await amqp_channel.default_exchange.publish(
+        await broker.channel.default_exchange.publish(
             aio_pika.Message(
                 b'{"id": 1}',
                 headers=headers,
@@ -773,7 +732,7 @@ async def test_dlq_copy_keeps_the_original_message_properties(
         )
         [observation] = await wait_observations(managed, 1)
     assert observation.outcome == "dead_lettered"
-    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    [copy] = await broker.drain(f"{q}.dlq")
     assert copy.correlation_id == "corr-42"
     assert copy.reply_to == "replies"
     assert copy.app_id == "orders-web"
