@@ -151,6 +151,15 @@ class MongoDB:
     def db(self) -> AsyncDatabase[Any]:
         return self.client[self.name]
 
+    @contextlib.asynccontextmanager
+    async def second_client(self) -> AsyncIterator[MongoDB]:
+        """The same database through a client of its own (as another replica has), closed afterwards."""
+        client: AsyncMongoClient[Any] = AsyncMongoClient(self.uri, serverSelectionTimeoutMS=10_000)
+        try:
+            yield MongoDB(self.uri, client, self.name)
+        finally:
+            await client.close()
+
 
 @dataclass
 class Broker:

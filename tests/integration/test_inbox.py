@@ -18,7 +18,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import aio_pika.abc
 import pytest
 from pymongo import AsyncMongoClient
 from pymongo.errors import OperationFailure
@@ -31,7 +30,6 @@ from lily_mongo import (
     Json,
     ManagedConsumer,
     MongoScope,
-    Publisher,
     QueueHandlerError,
     RetryPolicy,
     ScopeClosedError,
@@ -39,12 +37,16 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.testing import Faults
-from tests.support import BrokerNames, drain, eventually, outcomes, queue_depth, running, wait_for_depth
+from tests.support import Broker, MongoDB, eventually, outcomes, running
 
 Handler = Callable[..., Awaitable[None]]
 
 RECORDS = "lily_inbox"  # one record per (handler, event): the lease and the completion
 EFFECTS = "effects"
+# commitTransaction answers MaxTimeMSExpired labelled UnknownTransactionCommitResult: code 50 is
+# not retryable for PyMongo, so the driver does not retry the commit itself (the library does).
+AMBIGUOUS = {"code": 50, "labels": ["UnknownTransactionCommitResult"]}
+RETRY_COMMITS_TWICE = InboxOptions(commit_retries=2, backoff_base=0.01)
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -55,25 +57,15 @@ def settled_copies(*managed: ManagedConsumer) -> int:
     return sum(o in ("acked", "duplicate") for m in managed for o in outcomes(m))
 
 
-def make_consumer(
-    amqp: str,
-    client: AsyncMongoClient[Any],
-    database: str,
-    q: str,
-    *handlers: Handler,
-    name: str = "inbox-test",
-    inbox: InboxOptions | None = None,
-    **queue_options: Any,
-) -> Consumer:
-    consumer = Consumer(
-        amqp_url=amqp, mongo_client=client, database=database, name=name, inbox=inbox, graceful_timeout=10.0
-    )
-    queue_options.setdefault("concurrency", 2)
-    queue_options.setdefault("prefetch", 8)
-    queue_options.setdefault("retry", RetryPolicy(max_retries=2, delays=(0.2,)))
-    consumer.configure_queue(q, **queue_options)
-    consumer.include(*handlers)
-    return consumer
+def inbox_consumer(broker: Broker, mongodb: MongoDB, q: str, handler: Handler, **options: Any) -> Consumer:
+    """A consumer of ``q`` with an inbox in ``mongodb`` (two permits, two quick retries unless ``options`` say)."""
+    defaults = {
+        "name": "inbox-test",
+        "concurrency": 2,
+        "prefetch": 8,
+        "retry": RetryPolicy(max_retries=2, delays=(0.2,)),
+    }
+    return broker.consumer(q, handler, mongodb=mongodb, graceful_timeout=10.0, **(defaults | options))
 
 
 def effect_handler(q: str, calls: list[uuid.UUID], *, handler_id: str | None = None) -> Handler:
@@ -89,8 +81,8 @@ def effect_handler(q: str, calls: list[uuid.UUID], *, handler_id: str | None = N
     return handle
 
 
-async def assert_effect_once(client: AsyncMongoClient[Any], database: str, event_id: uuid.UUID) -> None:
-    db = client[database]
+async def assert_effect_once(mongodb: MongoDB, event_id: uuid.UUID) -> None:
+    db = mongodb.db
     effects = await db[EFFECTS].find({"event_id": str(event_id)}).to_list()
     assert len(effects) == 1, effects
     records = await db[RECORDS].find({"event_id": str(event_id)}).to_list()
@@ -102,10 +94,9 @@ async def assert_effect_once(client: AsyncMongoClient[Any], database: str, event
     assert await db[RECORDS].count_documents({}) == 1
 
 
-async def publish(amqp: str, q: str, event_id: uuid.UUID, copies: int = 1, **options: Any) -> None:
-    async with Publisher(amqp) as publisher:
-        for i in range(copies):
-            await publisher.publish_json(q, {"n": i}, version=1, event_id=event_id, **options)
+async def publish(broker: Broker, q: str, event_id: uuid.UUID, copies: int = 1, **options: Any) -> None:
+    """``copies`` copies of the event (payloads ``{"n": 0}``, ``{"n": 1}``, ...)."""
+    await broker.publish_all(q, [{"n": i} for i in range(copies)], event_id=event_id, **options)
 
 
 def only(managed: ManagedConsumer) -> TerminalObservation:
@@ -114,44 +105,60 @@ def only(managed: ManagedConsumer) -> TerminalObservation:
 
 
 @dataclasses.dataclass
-class CommitRun:
+class EffectRun:
+    q: str
     managed: ManagedConsumer
     calls: list[uuid.UUID]  # one entry per handler call
     event: uuid.UUID
 
 
-FailingCommits = Callable[..., Awaitable[CommitRun]]
+async def run_effect(
+    broker: Broker,
+    mongodb: MongoDB,
+    q: str,
+    *,
+    settled: Callable[[ManagedConsumer], bool],
+    inject: Callable[[], Awaitable[None]] | None = None,
+    **options: Any,
+) -> EffectRun:
+    """One event through the effect handler on ``q``; ``inject()`` runs once the consumer is up, before the
+    publish. Returns after the consumer stopped, once ``settled`` held and the queue was empty."""
+    calls: list[uuid.UUID] = []
+    event = uuid.uuid4()
+    async with running(inbox_consumer(broker, mongodb, q, effect_handler(q, calls), **options)) as managed:
+        if inject is not None:
+            await inject()
+        await publish(broker, q, event)
+        await eventually(lambda: settled(managed), timeout=8.0, what="settlement")
+        assert await broker.wait_for_depth(q, 0) == 0
+    return EffectRun(q, managed, calls, event)
+
+
+FailingCommits = Callable[..., Awaitable[EffectRun]]
 
 
 @pytest.fixture
-def failing_commits(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    failpoints: Faults,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> FailingCommits:
-    """Runs one event through the effect handler while ``commitTransaction`` fails as the failpoint
-    arguments say; returns after the consumer stopped, once ``settled`` held and the queue was empty."""
+def failing_commits(broker: Broker, mongodb: MongoDB, failpoints: Faults) -> FailingCommits:
+    """Runs one event through the effect handler on a fresh queue (named after ``base``) while
+    ``commitTransaction`` fails as the failpoint arguments say (see :func:`run_effect`)."""
 
     async def run(
-        q: str, *, settled: Callable[[ManagedConsumer], bool], inbox: InboxOptions | None = None, **failpoint: Any
-    ) -> CommitRun:
-        calls: list[uuid.UUID] = []
-        event = uuid.uuid4()
-        consumer = make_consumer(amqp, mongo_client, database_name, q, effect_handler(q, calls), inbox=inbox)
-        async with running(consumer) as managed:
+        base: str, *, settled: Callable[[ManagedConsumer], bool], inbox: InboxOptions | None = None, **failpoint: Any
+    ) -> EffectRun:
+        async def inject() -> None:
             await failpoints.fail(["commitTransaction"], **failpoint)
-            await publish(amqp, q, event)
-            await eventually(lambda: settled(managed), timeout=8.0, what="settlement")
-            assert await wait_for_depth(amqp_channel, q, 0) == 0
-        return CommitRun(managed, calls, event)
+
+        return await run_effect(broker, mongodb, broker.queue(base), settled=settled, inject=inject, inbox=inbox)
 
     return run
 
 
 def one_settled(managed: ManagedConsumer) -> bool:
     return len(outcomes(managed)) == 1
+
+
+def one_copy_settled(managed: ManagedConsumer) -> bool:
+    return settled_copies(managed) == 1
 
 
 def acked(managed: ManagedConsumer) -> bool:
@@ -161,34 +168,26 @@ def acked(managed: ManagedConsumer) -> bool:
 # -- fast path ------------------------------------------------------------------------------------
 
 
-async def test_same_event_twice_runs_the_handler_once(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
-    q = names.queue("fast")
+async def test_same_event_twice_runs_the_handler_once(broker: Broker, mongodb: MongoDB) -> None:
+    q = broker.queue("fast")
     calls: list[uuid.UUID] = []
     event = uuid.uuid4()
-    consumer = make_consumer(
-        amqp, mongo_client, database_name, q, effect_handler(q, calls), inbox=InboxOptions(retention_seconds=3600)
-    )
+    consumer = inbox_consumer(broker, mongodb, q, effect_handler(q, calls), inbox=InboxOptions(retention_seconds=3600))
     async with running(consumer) as managed:
-        await publish(amqp, q, event)
+        await publish(broker, q, event)
         await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="first copy settled")
-        await publish(amqp, q, event)
+        await publish(broker, q, event)
         await eventually(lambda: len(outcomes(managed)) == 2, timeout=8.0, what="second copy settled")
-        assert await wait_for_depth(amqp_channel, q, 0) == 0
+        assert await broker.wait_for_depth(q, 0) == 0
     first, second = managed.delivery_terminal_observations()
     assert (first.outcome, second.outcome) == ("acked", "duplicate")
     assert (first.ack_sent, second.ack_sent) == (True, True)
     assert first.event_id == second.event_id == event
     assert calls == [event]
-    await assert_effect_once(mongo_client, database_name, event)
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
+    await assert_effect_once(mongodb, event)
+    assert await broker.depth(f"{q}.dlq") == 0
     # Retention (SPEC 5.6): a TTL index on the record's purge time, set retention_seconds ahead.
-    records = mongo_client[database_name][RECORDS]
+    records = mongodb.db[RECORDS]
     record = await records.find_one({"event_id": str(event)})
     assert record is not None
     assert record["state"] == "completed"
@@ -211,29 +210,17 @@ async def test_same_event_twice_runs_the_handler_once(
     ids=["handler-insert", "handler-update", "claim-in-transaction", "completion-write"],
 )
 async def test_transient_error_on_an_operation_replays(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    failpoints: Faults,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    command: str,
-    collection: str,
-    claim_in_transaction: bool,
+    broker: Broker, mongodb: MongoDB, failpoints: Faults, command: str, collection: str, claim_in_transaction: bool
 ) -> None:
     # Code 112 with TransientTransactionError is MongoDB's WriteConflict shape.
-    q = names.queue("tt")
-    calls: list[uuid.UUID] = []
-    event = uuid.uuid4()
-    options = InboxOptions(claim_in_transaction=claim_in_transaction)
-    consumer = make_consumer(amqp, mongo_client, database_name, q, effect_handler(q, calls), inbox=options)
-    async with running(consumer) as managed:
+    async def inject() -> None:
         await failpoints.fail(
-            [command], code=112, labels=["TransientTransactionError"], namespace=f"{database_name}.{collection}"
+            [command], code=112, labels=["TransientTransactionError"], namespace=f"{mongodb.name}.{collection}"
         )
-        await publish(amqp, q, event)
-        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
-        assert await wait_for_depth(amqp_channel, q, 0) == 0
+
+    options = InboxOptions(claim_in_transaction=claim_in_transaction)
+    run = await run_effect(broker, mongodb, broker.queue("tt"), settled=one_settled, inject=inject, inbox=options)
+    managed, calls, event = run.managed, run.calls, run.event
     observation = only(managed)
     assert observation.outcome == "acked"
     if command == "findAndModify":
@@ -241,11 +228,11 @@ async def test_transient_error_on_an_operation_replays(
         # holding the new record, on MongoDB): no handler ran, so no replay is counted; the
         # delivery takes the lease claim and runs its one attempt.
         assert (observation.transient_replays, observation.attempts, len(calls)) == (0, 1, 1)
-        record = await mongo_client[database_name][RECORDS].find_one({"event_id": str(event)})
+        record = await mongodb.db[RECORDS].find_one({"event_id": str(event)})
         assert record is not None
         assert record["state"] == "completed"
         assert "expires_at" in record  # completed on the lease path (a record born completed has no lease)
-        await assert_effect_once(mongo_client, database_name, event)
+        await assert_effect_once(mongodb, event)
         return
     assert observation.transient_replays >= 1
     assert observation.attempts == observation.transient_replays + 1
@@ -254,7 +241,7 @@ async def test_transient_error_on_an_operation_replays(
     failed_before_the_handler = 1 if collection == RECORDS else 0
     assert len(calls) == observation.attempts - failed_before_the_handler
     assert managed.snapshot().queues[0].transient_replays >= 1
-    await assert_effect_once(mongo_client, database_name, event)
+    await assert_effect_once(mongodb, event)
 
 
 @pytest.mark.parametrize(
@@ -263,33 +250,22 @@ async def test_transient_error_on_an_operation_replays(
     ids=["labelled-transient", "unlabelled-emulator-shape"],
 )
 async def test_commit_failure_without_unknown_result_replays(
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    failing_commits: FailingCommits,
-    labels: list[str],
+    mongodb: MongoDB, broker: Broker, failing_commits: FailingCommits, labels: list[str]
 ) -> None:
     # A commit failing without UnknownTransactionCommitResult did not commit (SPEC 5.5);
     # the emulator reports its write conflicts as code 112 with no label at all.
-    q = names.queue("commit")
-    run = await failing_commits(q, settled=one_settled, times=1, code=112, labels=labels)
+    run = await failing_commits("commit", settled=one_settled, times=1, code=112, labels=labels)
     managed, calls, event = run.managed, run.calls, run.event
     observation = only(managed)
     assert observation.outcome == "acked"
     assert observation.transient_replays == 1
     assert observation.reconciliations == 0
     assert len(calls) == 2
-    await assert_effect_once(mongo_client, database_name, event)
+    await assert_effect_once(mongodb, event)
 
 
-async def test_old_scope_is_closed_while_the_replay_runs(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    failpoints: Faults,
-) -> None:
-    q = names.queue("scope")
+async def test_old_scope_is_closed_while_the_replay_runs(broker: Broker, mongodb: MongoDB, failpoints: Faults) -> None:
+    q = broker.queue("scope")
     scopes: list[MongoScope] = []
     seen_open: list[list[bool]] = []
 
@@ -299,10 +275,10 @@ async def test_old_scope_is_closed_while_the_replay_runs(
         scopes.append(mongo)
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
 
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    consumer = inbox_consumer(broker, mongodb, q, handle)
     async with running(consumer) as managed:
         await failpoints.fail(["commitTransaction"], code=112, labels=["TransientTransactionError"])
-        await publish(amqp, q, uuid.uuid4())
+        await publish(broker, q, uuid.uuid4())
         await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
     assert outcomes(managed) == ["acked"]
     assert len(scopes) == 2
@@ -315,23 +291,12 @@ async def test_old_scope_is_closed_while_the_replay_runs(
 
 @pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
 async def test_unknown_commit_result_once_is_reconciled_by_retrying_the_commit(
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    failing_commits: FailingCommits,
-    claim_in_transaction: bool,
+    mongodb: MongoDB, broker: Broker, failing_commits: FailingCommits, claim_in_transaction: bool
 ) -> None:
     # Code 50 (MaxTimeMSExpired) is not a retryable code for PyMongo, so the driver does
     # not retry the commit itself: the failpoint fires exactly once, at the library.
-    q = names.queue("unknown1")
-    run = await failing_commits(
-        q,
-        settled=one_settled,
-        inbox=InboxOptions(claim_in_transaction=claim_in_transaction),
-        times=1,
-        code=50,
-        labels=["UnknownTransactionCommitResult"],
-    )
+    inbox = InboxOptions(claim_in_transaction=claim_in_transaction)
+    run = await failing_commits("unknown1", settled=one_settled, inbox=inbox, times=1, **AMBIGUOUS)
     managed, calls, event = run.managed, run.calls, run.event
     observation = only(managed)
     assert observation.outcome == "acked"
@@ -340,30 +305,18 @@ async def test_unknown_commit_result_once_is_reconciled_by_retrying_the_commit(
     assert observation.attempts == 1
     assert calls == [event]
     assert managed.snapshot().queues[0].reconciliations >= 1
-    await assert_effect_once(mongo_client, database_name, event)
+    await assert_effect_once(mongodb, event)
 
 
 async def test_unknown_commit_result_that_persists_defers_to_the_next_delivery(
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    failing_commits: FailingCommits,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    mongodb: MongoDB, broker: Broker, failing_commits: FailingCommits
 ) -> None:
     # commit_retries=2: one commit plus two retries of the same commit, all failing with
     # UnknownTransactionCommitResult (times=3). Reconciliation then reads the completion
     # record: the emulator's failpoint fires *before* the commit applies, so the record is
     # absent → deferred (bounded requeue). The redelivery runs the handler again — a new
     # delivery, not a re-run within the first one — and commits cleanly.
-    q = names.queue("unknownN")
-    run = await failing_commits(
-        q,
-        settled=acked,
-        inbox=InboxOptions(commit_retries=2, backoff_base=0.01),
-        times=3,
-        code=50,
-        labels=["UnknownTransactionCommitResult"],
-    )
+    run = await failing_commits("unknownN", settled=acked, inbox=RETRY_COMMITS_TWICE, times=3, **AMBIGUOUS)
     managed, calls, event = run.managed, run.calls, run.event
     first, second = managed.delivery_terminal_observations()
     assert first.outcome == "deferred"
@@ -377,52 +330,36 @@ async def test_unknown_commit_result_that_persists_defers_to_the_next_delivery(
     # One handler call per delivery, two deliveries.
     assert calls == [event, event]
     assert sum(o.attempts for o in managed.delivery_terminal_observations()) == len(calls)
-    await assert_effect_once(mongo_client, database_name, event)
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
+    await assert_effect_once(mongodb, event)
+    assert await broker.depth(f"{run.q}.dlq") == 0
 
 
 async def test_unknown_commit_result_many_times_stays_bounded(
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    failing_commits: FailingCommits,
+    mongodb: MongoDB, broker: Broker, failing_commits: FailingCommits
 ) -> None:
     # times=10 with commit_retries=2: each delivery consumes up to three commit failures.
     # Deliveries 1-3 consume nine and are deferred; delivery 4 sees one more failure, its
     # commit retry succeeds (reconciled) and it is ACKed. Four handler calls, one per delivery.
-    q = names.queue("unknown10")
-    run = await failing_commits(
-        q,
-        settled=acked,
-        inbox=InboxOptions(commit_retries=2, backoff_base=0.01),
-        times=10,
-        code=50,
-        labels=["UnknownTransactionCommitResult"],
-    )
+    run = await failing_commits("unknown10", settled=acked, inbox=RETRY_COMMITS_TWICE, times=10, **AMBIGUOUS)
     managed, calls, event = run.managed, run.calls, run.event
     observations = managed.delivery_terminal_observations()
     assert [o.outcome for o in observations] == ["deferred", "deferred", "deferred", "acked"]
     assert all(o.attempts == 1 and o.transient_replays == 0 for o in observations)
     assert [o.reconciliations for o in observations] == [1, 1, 1, 1]
     assert len(calls) == 4
-    await assert_effect_once(mongo_client, database_name, event)
+    await assert_effect_once(mongodb, event)
 
 
 async def test_close_connection_failpoint_on_commit(
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    failing_commits: FailingCommits,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    mongodb: MongoDB, broker: Broker, failing_commits: FailingCommits
 ) -> None:
     # MongoDB drops the socket (the driver sees a network error labelled
     # UnknownTransactionCommitResult and reconciles); the emulator instead answers with an
     # error reply carrying no code and no label, i.e. "did not commit" (replay). Either way
     # the effect happens once and every attempt ran the handler exactly once.
-    q = names.queue("close")
     run = await failing_commits(
-        q,
-        settled=lambda managed: settled_copies(managed) == 1,
+        "close",
+        settled=one_copy_settled,
         inbox=InboxOptions(commit_retries=1, backoff_base=0.01),
         times=3,
         close_connection=True,
@@ -433,8 +370,8 @@ async def test_close_connection_failpoint_on_commit(
     assert all(o.outcome == "deferred" for o in observations[:-1])
     assert sum(o.transient_replays + o.reconciliations for o in observations) >= 1
     assert len(calls) == sum(o.attempts for o in observations)
-    await assert_effect_once(mongo_client, database_name, event)
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
+    await assert_effect_once(mongodb, event)
+    assert await broker.depth(f"{run.q}.dlq") == 0
 
 
 class CommitCutter:
@@ -511,17 +448,32 @@ class CommitCutter:
 
 
 @contextlib.asynccontextmanager
-async def cut_client(mongo_uri: str) -> AsyncIterator[tuple[CommitCutter, AsyncMongoClient[Any]]]:
-    nodes = parse_uri(mongo_uri)["nodelist"]
+async def behind_a_cutter(mongodb: MongoDB) -> AsyncIterator[tuple[CommitCutter, MongoDB]]:
+    """A :class:`CommitCutter` in front of the test's server, and the test's database through it."""
+    nodes = parse_uri(mongodb.uri)["nodelist"]
     if len(nodes) != 1:
         pytest.skip("the commit-cutting proxy fronts a single server")
     host, port = nodes[0]
     async with CommitCutter(host, port) as cutter:
         client: AsyncMongoClient[Any] = AsyncMongoClient(cutter.uri, serverSelectionTimeoutMS=10_000)
         try:
-            yield cutter, client
+            yield cutter, MongoDB(cutter.uri, client, mongodb.name)
         finally:
             await client.close()
+
+
+async def run_behind_a_cutter(
+    broker: Broker, mongodb: MongoDB, base: str, *, cut_requests: int = 0, cut_replies: int = 0, **options: Any
+) -> tuple[EffectRun, int]:
+    """One event through the effect handler (see :func:`run_effect`) with the consumer's MongoDB behind a
+    :class:`CommitCutter` cutting that many commit requests or replies; the run and the cuts made."""
+    async with behind_a_cutter(mongodb) as (cutter, cut):
+
+        async def arm() -> None:
+            cutter.cut_requests, cutter.cut_replies = cut_requests, cut_replies
+
+        run = await run_effect(broker, cut, broker.queue(base), settled=one_copy_settled, inject=arm, **options)
+        return run, cutter.cuts
 
 
 @pytest.mark.parametrize(
@@ -530,36 +482,15 @@ async def cut_client(mongo_uri: str) -> AsyncIterator[tuple[CommitCutter, AsyncM
     ids=["commit-retry-succeeds", "retries-exhausted-record-absent"],
 )
 async def test_commit_request_lost_on_the_network(
-    amqp: str,
-    mongo_uri: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    cuts: int,
-    expected: list[str],
+    broker: Broker, mongodb: MongoDB, cuts: int, expected: list[str]
 ) -> None:
     # commit_retries=1: one commit plus one retry of the same commit. One lost request:
     # the retry commits (reconciled, ACK). Two: the record is absent (nothing reached the
     # server) → deferred; the redelivery runs the handler once more and commits.
-    q = names.queue("lostreq")
-    calls: list[uuid.UUID] = []
-    event = uuid.uuid4()
-    async with cut_client(mongo_uri) as (cutter, client):
-        consumer = make_consumer(
-            amqp,
-            client,
-            database_name,
-            q,
-            effect_handler(q, calls),
-            inbox=InboxOptions(commit_retries=1, backoff_base=0.01),
-        )
-        async with running(consumer) as managed:
-            cutter.cut_requests = cuts
-            await publish(amqp, q, event)
-            await eventually(lambda: settled_copies(managed) == 1, timeout=8.0, what="settled")
-            assert await wait_for_depth(amqp_channel, q, 0) == 0
-        assert cutter.cuts == cuts
+    inbox = InboxOptions(commit_retries=1, backoff_base=0.01)
+    run, cut = await run_behind_a_cutter(broker, mongodb, "lostreq", cut_requests=cuts, inbox=inbox)
+    assert cut == cuts
+    managed, calls, event = run.managed, run.calls, run.event
     observations = managed.delivery_terminal_observations()
     assert [o.outcome for o in observations] == expected
     assert observations[0].reconciliations == 1
@@ -567,94 +498,48 @@ async def test_commit_request_lost_on_the_network(
     if len(observations) > 1:
         assert observations[0].code == "COMMIT_AMBIGUOUS"
     assert len(calls) == len(expected)  # one handler call per delivery
-    await assert_effect_once(mongo_client, database_name, event)
+    await assert_effect_once(mongodb, event)
 
 
 @pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
 async def test_commit_reply_lost_is_reconciled_from_the_completion_record(
-    claim_in_transaction: bool,
-    amqp: str,
-    mongo_uri: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    claim_in_transaction: bool, broker: Broker, mongodb: MongoDB
 ) -> None:
     # The commit applies but its reply is lost, twice (the commit and its one retry):
     # the commit result stays unknown, so reconciliation reads the completion record with
     # majority read concern, finds this attempt's token and ACKs — without running the
     # handler again.
-    q = names.queue("lostreply")
-    calls: list[uuid.UUID] = []
-    event = uuid.uuid4()
-    async with cut_client(mongo_uri) as (cutter, client):
-        consumer = make_consumer(
-            amqp,
-            client,
-            database_name,
-            q,
-            effect_handler(q, calls),
-            inbox=InboxOptions(commit_retries=1, backoff_base=0.01, claim_in_transaction=claim_in_transaction),
-        )
-        async with running(consumer) as managed:
-            cutter.cut_replies = 2
-            await publish(amqp, q, event)
-            await eventually(lambda: settled_copies(managed) == 1, timeout=8.0, what="settled")
-            assert await wait_for_depth(amqp_channel, q, 0) == 0
-        assert cutter.cuts == 2
+    inbox = InboxOptions(commit_retries=1, backoff_base=0.01, claim_in_transaction=claim_in_transaction)
+    run, cut = await run_behind_a_cutter(broker, mongodb, "lostreply", cut_replies=2, inbox=inbox)
+    assert cut == 2
+    managed, calls, event = run.managed, run.calls, run.event
     observation = only(managed)
     assert observation.outcome == "acked"
     assert (observation.attempts, observation.transient_replays, observation.reconciliations) == (1, 0, 1)
     assert calls == [event]
-    await assert_effect_once(mongo_client, database_name, event)
+    await assert_effect_once(mongodb, event)
 
 
 # -- concurrency: competing consumers ------------------------------------------------------------
 
 
-async def test_two_consumers_six_concurrent_copies_effect_once(
-    amqp: str,
-    mongo_uri: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
-    q = names.queue("race")
+async def test_two_consumers_six_concurrent_copies_effect_once(broker: Broker, mongodb: MongoDB) -> None:
+    q = broker.queue("race")
     event = uuid.uuid4()
     calls_a: list[uuid.UUID] = []
     calls_b: list[uuid.UUID] = []
     handler_id = f"{q}/race"
     options = InboxOptions(lease_seconds=2.0)
-    other: AsyncMongoClient[Any] = AsyncMongoClient(mongo_uri, serverSelectionTimeoutMS=10_000)
-    try:
+    async with mongodb.second_client() as other:
         # prefetch 2 = concurrency 2: the broker spreads the six copies over both consumers.
-        consumer_a = make_consumer(
-            amqp,
-            mongo_client,
-            database_name,
-            q,
-            effect_handler(q, calls_a, handler_id=handler_id),
-            name="race-a",
-            inbox=options,
-            prefetch=2,
-        )
-        consumer_b = make_consumer(
-            amqp,
-            other,
-            database_name,
-            q,
-            effect_handler(q, calls_b, handler_id=handler_id),
-            name="race-b",
-            inbox=options,
-            prefetch=2,
-        )
+        handler_a = effect_handler(q, calls_a, handler_id=handler_id)
+        handler_b = effect_handler(q, calls_b, handler_id=handler_id)
+        consumer_a = inbox_consumer(broker, mongodb, q, handler_a, name="race-a", inbox=options, prefetch=2)
+        consumer_b = inbox_consumer(broker, other, q, handler_b, name="race-b", inbox=options, prefetch=2)
         async with running(consumer_a) as a, running(consumer_b) as b:
-            await publish(amqp, q, event, copies=6)
+            await publish(broker, q, event, copies=6)
             await eventually(lambda: settled_copies(a, b) == 6, timeout=15.0, what="all six copies settled")
-            assert await wait_for_depth(amqp_channel, q, 0) == 0
-    finally:
-        await other.close()
+            assert await broker.wait_for_depth(q, 0) == 0
     every = [*outcomes(a), *outcomes(b)]
     counts = collections.Counter(every)
     assert counts["acked"] == 1, counts
@@ -663,31 +548,24 @@ async def test_two_consumers_six_concurrent_copies_effect_once(
     assert outcomes(a), "consumer A received no copy"
     assert outcomes(b), "consumer B received no copy"
     assert len(calls_a) + len(calls_b) >= 1
-    await assert_effect_once(mongo_client, database_name, event)
-    assert await queue_depth(amqp_channel, q) == 0
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
+    await assert_effect_once(mongodb, event)
+    assert await broker.depth(q) == 0
+    assert await broker.depth(f"{q}.dlq") == 0
 
 
 # -- deferral bound -------------------------------------------------------------------------------
 
 
-async def test_held_lease_defers_until_the_bound_then_dead_letters(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
-    q = names.queue("held")
+async def test_held_lease_defers_until_the_bound_then_dead_letters(broker: Broker, mongodb: MongoDB) -> None:
+    q = broker.queue("held")
     calls: list[uuid.UUID] = []
     event = uuid.uuid4()
     handler_id = f"{q}/held"
     key = f"{handler_id}|{event}"
     now = datetime.datetime.now(datetime.UTC)
-    consumer = make_consumer(
-        amqp,
-        mongo_client,
-        database_name,
+    consumer = inbox_consumer(
+        broker,
+        mongodb,
         q,
         effect_handler(q, calls, handler_id=handler_id),
         max_deferrals=3,
@@ -695,7 +573,7 @@ async def test_held_lease_defers_until_the_bound_then_dead_letters(
     )
     async with running(consumer) as managed:
         # Another live owner holds the lease for an hour.
-        await mongo_client[database_name][RECORDS].insert_one(
+        await mongodb.db[RECORDS].insert_one(
             {
                 "_id": key,
                 "state": "leased",
@@ -707,22 +585,22 @@ async def test_held_lease_defers_until_the_bound_then_dead_letters(
                 "deferrals": 0,
             }
         )
-        await publish(amqp, q, event, retry_count=1)
+        await publish(broker, q, event, retry_count=1)
         await eventually(lambda: "dead_lettered" in outcomes(managed), timeout=8.0, what="dead-lettering")
-        assert await wait_for_depth(amqp_channel, f"{q}.dlq", 1) == 1
+        assert await broker.wait_for_depth(f"{q}.dlq", 1) == 1
     observations = managed.delivery_terminal_observations()
     assert [o.outcome for o in observations] == ["deferred", "deferred", "dead_lettered"]
     assert [o.code for o in observations] == ["LEASE_HELD", "LEASE_HELD", "QUEUE_DEFERRALS_EXHAUSTED"]
     assert (observations[-1].handoff_confirmed, observations[-1].ack_sent) == (True, True)
     assert calls == []
-    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    [copy] = await broker.drain(f"{q}.dlq")
     assert copy.headers["x-lily-failure-code"] == "QUEUE_DEFERRALS_EXHAUSTED"
     assert copy.headers["x-lily-event-id"] == str(event)
     assert copy.headers["x-retry-count"] == 1  # deferrals are not application retries
     assert copy.headers["x-lily-failed-queue"] == q
-    assert await queue_depth(amqp_channel, q) == 0
-    assert await queue_depth(amqp_channel, f"{q}.retry.0") == 0
-    db = mongo_client[database_name]
+    assert await broker.depth(q) == 0
+    assert await broker.depth(f"{q}.retry.0") == 0
+    db = mongodb.db
     record = await db[RECORDS].find_one({"_id": key})
     assert record is not None
     assert (record["state"], record["owner"], record["token"], record["deferrals"]) == ("leased", "elsewhere:0:0", 7, 3)
@@ -732,13 +610,8 @@ async def test_held_lease_defers_until_the_bound_then_dead_letters(
 # -- the scope is valid for one attempt only ------------------------------------------------------
 
 
-async def test_scope_used_after_the_attempt_raises(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-) -> None:
-    q = names.queue("stale")
+async def test_scope_used_after_the_attempt_raises(broker: Broker, mongodb: MongoDB) -> None:
+    q = broker.queue("stale")
     kept: list[MongoScope] = []
     event = uuid.uuid4()
 
@@ -747,9 +620,9 @@ async def test_scope_used_after_the_attempt_raises(
         kept.append(mongo)
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
 
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    consumer = inbox_consumer(broker, mongodb, q, handle)
     async with running(consumer) as managed:
-        await publish(amqp, q, event)
+        await publish(broker, q, event)
         await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
         [scope] = kept
         assert not scope.is_open
@@ -760,7 +633,7 @@ async def test_scope_used_after_the_attempt_raises(
         with pytest.raises(ScopeClosedError):
             _ = scope.outbox
     assert outcomes(managed) == ["acked"]
-    assert await mongo_client[database_name][EFFECTS].count_documents({}) == 1
+    assert await mongodb.db[EFFECTS].count_documents({}) == 1
 
 
 # -- application failures abort, release the lease, then hand off ---------------------------------
@@ -778,17 +651,14 @@ async def test_scope_used_after_the_attempt_raises(
 @pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
 async def test_failure_aborts_releases_the_lease_and_hands_off(
     claim_in_transaction: bool,
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    broker: Broker,
+    mongodb: MongoDB,
     failure: Exception,
     destination: str,
     outcome: str,
     code: str,
 ) -> None:
-    q = names.queue("fail")
+    q = broker.queue("fail")
     event = uuid.uuid4()
     calls: list[uuid.UUID] = []
 
@@ -800,55 +670,48 @@ async def test_failure_aborts_releases_the_lease_and_hands_off(
         raise failure
 
     # A long retry delay keeps the retry copy parked in its bucket for inspection.
-    consumer = make_consumer(
-        amqp,
-        mongo_client,
-        database_name,
+    consumer = inbox_consumer(
+        broker,
+        mongodb,
         q,
         handle,
         inbox=InboxOptions(claim_in_transaction=claim_in_transaction),
         retry=RetryPolicy(max_retries=2, delays=(60,)),
     )
     async with running(consumer) as managed:
-        await publish(amqp, q, event)
+        await publish(broker, q, event)
         await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="handoff")
-        assert await wait_for_depth(amqp_channel, f"{q}.{destination}", 1) == 1
+        assert await broker.wait_for_depth(f"{q}.{destination}", 1) == 1
     observation = only(managed)
     assert (observation.outcome, observation.code) == (outcome, code)
     assert (observation.handoff_confirmed, observation.ack_sent) == (True, True)
     assert calls == [event]
-    db = mongo_client[database_name]
+    db = mongodb.db
     assert await db[EFFECTS].count_documents({}) == 0  # aborted: nothing the handler wrote survived
     assert await db["lily_outbox"].count_documents({}) == 0
     # Lease first: released (deleted), not left to expire. In the transaction: never committed.
     assert await db[RECORDS].count_documents({}) == 0
-    [copy] = await drain(amqp_channel, f"{q}.{destination}")
+    [copy] = await broker.drain(f"{q}.{destination}")
     assert copy.headers["x-lily-failure-code"] == code
     assert copy.headers["x-lily-event-id"] == str(event)
     assert copy.headers["x-retry-count"] == (1 if outcome == "retried" else 0)
-    assert await queue_depth(amqp_channel, q) == 0
+    assert await broker.depth(q) == 0
 
 
 # -- a lost lease cancels the attempt -------------------------------------------------------------
 
 
-async def test_a_lease_taken_over_between_attempts_defers_at_the_next_attempt(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
+async def test_a_lease_taken_over_between_attempts_defers_at_the_next_attempt(broker: Broker, mongodb: MongoDB) -> None:
     # While its transaction holds the record nobody can take the lease over (MongoDB makes
     # other writers wait). Between attempts it can: the first attempt meets a transient
     # error, and during the replay's backoff (at least 1 s here) another owner takes the
     # record. The next attempt must not run the handler: deferred with LEASE_LOST.
-    q = names.queue("lost")
+    q = broker.queue("lost")
     handler_id = f"{q}/lost"
     event = uuid.uuid4()
     key = f"{handler_id}|{event}"
     calls: list[uuid.UUID] = []
-    records = mongo_client[database_name][RECORDS]
+    records = mongodb.db[RECORDS]
     thieves: list[asyncio.Task[Any]] = []
 
     async def take_over() -> None:
@@ -866,11 +729,11 @@ async def test_a_lease_taken_over_between_attempts_defers_at_the_next_attempt(
     options = InboxOptions(
         lease_seconds=0.6, heartbeat_seconds=0.1, backoff_base=1.0, backoff_max=2.0, claim_in_transaction=False
     )
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options)
+    consumer = inbox_consumer(broker, mongodb, q, handle, inbox=options)
     async with running(consumer) as managed:
-        await publish(amqp, q, event)
+        await publish(broker, q, event)
         await eventually(lambda: "acked" in outcomes(managed), timeout=10.0, what="the redelivery to complete")
-        assert await wait_for_depth(amqp_channel, q, 0) == 0
+        assert await broker.wait_for_depth(q, 0) == 0
     await asyncio.gather(*thieves)
     observations = managed.delivery_terminal_observations()
     assert (observations[0].outcome, observations[0].code) == ("deferred", "LEASE_LOST")
@@ -881,16 +744,11 @@ async def test_a_lease_taken_over_between_attempts_defers_at_the_next_attempt(
     record = await records.find_one({"_id": key})
     assert record is not None
     assert (record["state"], record["token"]) == ("completed", 100)  # re-claimed once the thief's lease expired
-    assert await mongo_client[database_name][EFFECTS].count_documents({}) == 1
+    assert await mongodb.db[EFFECTS].count_documents({}) == 1
 
 
 async def run_timing_out_handler(
-    amqp: str,
-    client: AsyncMongoClient[Any],
-    database: str,
-    q: str,
-    channel: aio_pika.abc.AbstractChannel,
-    claim_in_transaction: bool,
+    broker: Broker, mongodb: MongoDB, q: str, claim_in_transaction: bool
 ) -> tuple[TerminalObservation, dict[str, Any] | None]:
     """One delivery whose handler writes, then overruns a 0.5 s deadline; returns its observation and lease doc."""
     handler_id = f"{q}/slow"
@@ -901,10 +759,9 @@ async def run_timing_out_handler(
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
         await asyncio.sleep(8.0)
 
-    consumer = make_consumer(
-        amqp,
-        client,
-        database,
+    consumer = inbox_consumer(
+        broker,
+        mongodb,
         q,
         handle,
         inbox=InboxOptions(claim_in_transaction=claim_in_transaction),
@@ -913,44 +770,30 @@ async def run_timing_out_handler(
         retry=RetryPolicy(max_retries=2, delays=(60,)),
     )
     async with running(consumer) as managed:
-        await publish(amqp, q, event)
+        await publish(broker, q, event)
         await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="the timeout handoff")
-        assert await wait_for_depth(channel, f"{q}.retry.0", 1) == 1
-    record = await client[database][RECORDS].find_one({"_id": f"{handler_id}|{event}"})
+        assert await broker.wait_for_depth(f"{q}.retry.0", 1) == 1
+    record = await mongodb.db[RECORDS].find_one({"_id": f"{handler_id}|{event}"})
     return only(managed), record
 
 
 @pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
 async def test_handler_timeout_is_not_counted_as_a_deferral(
-    claim_in_transaction: bool,
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    claim_in_transaction: bool, broker: Broker, mongodb: MongoDB
 ) -> None:
     # A timeout is an application retry (SPEC section 6); the deferral bound counts deferred
     # requeues only. A stale count makes a later LEASE_HELD copy hit max_deferrals early.
-    _, lease = await run_timing_out_handler(
-        amqp, mongo_client, database_name, names.queue("tdefer"), amqp_channel, claim_in_transaction
-    )
+    _, lease = await run_timing_out_handler(broker, mongodb, broker.queue("tdefer"), claim_in_transaction)
     assert lease is None or lease.get("deferrals", 0) == 0, lease
 
 
 @pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
 async def test_handler_timeout_aborts_and_frees_the_lease(
-    claim_in_transaction: bool,
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    claim_in_transaction: bool, broker: Broker, mongodb: MongoDB
 ) -> None:
-    observation, lease = await run_timing_out_handler(
-        amqp, mongo_client, database_name, names.queue("timeout"), amqp_channel, claim_in_transaction
-    )
+    observation, lease = await run_timing_out_handler(broker, mongodb, broker.queue("timeout"), claim_in_transaction)
     assert (observation.outcome, observation.code) == ("retried", "QUEUE_HANDLER_TIMEOUT")
-    db = mongo_client[database_name]
+    db = mongodb.db
     assert await db[EFFECTS].count_documents({}) == 0
     # Cancelled from outside, the attempt is no deferral: the lease is deleted (lease first),
     # or was never committed (in the transaction).

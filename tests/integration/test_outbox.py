@@ -20,7 +20,6 @@ import aio_pika.abc
 import orjson
 import pytest
 from bson import Binary
-from pymongo import AsyncMongoClient
 
 from lily_mongo import (
     ConfigError,
@@ -30,7 +29,6 @@ from lily_mongo import (
     InboxOptions,
     Json,
     MongoScope,
-    Publisher,
     QueueHandlerError,
     RelayOptions,
     RetryPolicy,
@@ -42,13 +40,11 @@ from lily_mongo.outbox import OutboxRelay
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.testing import Faults
 from tests.support import (
-    BrokerNames,
-    drain,
+    Broker,
+    MongoDB,
     eventually,
     outcomes,
-    queue_depth,
     running,
-    wait_for_depth,
 )
 
 OUTBOX = "lily_outbox"
@@ -60,40 +56,26 @@ SEVEN_DAYS = 7 * 24 * 3600.0
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def make_consumer(
-    amqp: str,
-    client: AsyncMongoClient[Any],
-    database: str,
-    q: str,
-    *handlers: Callable[..., Awaitable[None]],
-    inbox: InboxOptions | None = None,
-    name: str = "outbox-test",
-    **queue_options: Any,
+def outbox_consumer(
+    broker: Broker, mongodb: MongoDB, q: str, handler: Callable[..., Awaitable[None]], **options: Any
 ) -> Consumer:
-    consumer = Consumer(
-        amqp_url=amqp,
-        mongo_client=client,
-        database=database,
-        name=name,
-        inbox=inbox or InboxOptions(relay=FAST_RELAY),
+    """A consumer of ``q`` with an inbox and a fast relay (one permit; retry copies stay parked in their bucket)."""
+    options.setdefault("inbox", InboxOptions(relay=FAST_RELAY))
+    defaults = {"concurrency": 1, "prefetch": 4, "retry": RetryPolicy(max_retries=1, delays=(30,))}
+    return broker.consumer(
+        q,
+        handler,
+        name="outbox-test",
+        mongodb=mongodb,
         graceful_timeout=10.0,
         force_timeout=2.0,
+        **(defaults | options),
     )
-    queue_options.setdefault("concurrency", 1)
-    queue_options.setdefault("prefetch", 4)
-    queue_options.setdefault("retry", RetryPolicy(max_retries=1, delays=(30,)))
-    consumer.configure_queue(q, **queue_options)
-    consumer.include(*handlers)
-    return consumer
 
 
-async def declare_downstream(channel: aio_pika.abc.AbstractChannel, name: str) -> None:
-    await channel.declare_queue(name, durable=True)
-
-
-async def publish(amqp: str, q: str, payload: Any, *, event_id: uuid.UUID | None = None) -> uuid.UUID:
-    async with Publisher(amqp) as publisher:
-        return await publisher.publish_json(q, payload, version=1, event_id=event_id)
+async def source_and_downstream(broker: Broker, base: str) -> tuple[str, str]:
+    """A queue for the test's consumer and a declared downstream queue its outbox messages go to."""
+    return broker.queue(base), await broker.declare(broker.queue("down"))
 
 
 def outbox_record(routing_key: str, payload: Any, **fields: Any) -> dict[str, Any]:
@@ -143,14 +125,9 @@ def event_ids(messages: list[aio_pika.abc.AbstractIncomingMessage]) -> list[str]
 
 
 async def test_committed_record_is_published_with_canonical_headers_and_marked(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    broker: Broker, mongodb: MongoDB
 ) -> None:
-    q, down = names.queue("src"), names.queue("down")
-    await declare_downstream(amqp_channel, down)
+    q, down = await source_and_downstream(broker, "src")
     given = uuid.uuid4()
     staged: list[tuple[uuid.UUID, uuid.UUID]] = []
 
@@ -160,18 +137,18 @@ async def test_committed_record_is_published_with_canonical_headers_and_marked(
         second = await mongo.outbox.publish_json(down, {"order": order["n"], "copy": True}, version=2, event_id=given)
         staged.append((first, second))
 
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    consumer = outbox_consumer(broker, mongodb, q, handle)
     async with running(consumer, expect_clean=False) as managed:
-        source = await publish(amqp, q, {"n": 7})
+        source = await broker.publish(q, {"n": 7})
         await eventually(lambda: managed.snapshot().outbox_published == 2, what="two records relayed", interval=0.05)
-        assert await wait_for_depth(amqp_channel, down, 2) == 2
+        assert await broker.wait_for_depth(down, 2) == 2
         await eventually(lambda: managed.snapshot().outbox_pending == 0, what="the relay's idle count", interval=0.05)
     assert outcomes(managed) == ["acked"]
     generated, returned_given = staged[-1]
     assert returned_given == given
     assert generated != given
 
-    messages = {str(m.headers["x-lily-event-id"]): m for m in await drain(amqp_channel, down)}
+    messages = {str(m.headers["x-lily-event-id"]): m for m in await broker.drain(down)}
     assert set(messages) == {str(generated), str(given)}
     for event, version, payload in (
         (generated, "1", {"order": 7, "from": str(source)}),
@@ -187,7 +164,7 @@ async def test_committed_record_is_published_with_canonical_headers_and_marked(
         envelope = validate_envelope(message.headers, len(message.body))
         assert (envelope.event_id, envelope.schema_version) == (event, int(version))
 
-    records = await mongo_client[database_name][OUTBOX].find({}).to_list()
+    records = await mongodb.db[OUTBOX].find({}).to_list()
     assert sorted(r["event_id"] for r in records) == sorted([str(generated), str(given)])
     for record in records:
         assert record["status"] == "published"
@@ -197,19 +174,12 @@ async def test_committed_record_is_published_with_canonical_headers_and_marked(
         assert (record["expires_at"] - record["published_at"]).total_seconds() == pytest.approx(SEVEN_DAYS, abs=1)
     assert managed.snapshot().outbox_failed == 0
     # Published records are retained by a TTL index on expires_at.
-    indexes = await mongo_client[database_name][OUTBOX].index_information()
+    indexes = await mongodb.db[OUTBOX].index_information()
     assert [i.get("expireAfterSeconds") for i in indexes.values() if i["key"] == [("expires_at", 1)]] == [0]
 
 
-async def test_aborted_attempt_publishes_nothing(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
-    q, down = names.queue("abort"), names.queue("down")
-    await declare_downstream(amqp_channel, down)
+async def test_aborted_attempt_publishes_nothing(broker: Broker, mongodb: MongoDB) -> None:
+    q, down = await source_and_downstream(broker, "abort")
     calls: list[uuid.UUID] = []
 
     @queue(q, version=1, content="json")
@@ -218,32 +188,26 @@ async def test_aborted_attempt_publishes_nothing(
         await mongo.outbox.publish_json(down, {"from": str(event_id)}, version=1)
         raise QueueHandlerError.permanent("ORDER_INVALID", "no lines")
 
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    consumer = outbox_consumer(broker, mongodb, q, handle)
     async with running(consumer, expect_clean=False) as managed:
-        event = await publish(amqp, q, {"n": 1})
+        event = await broker.publish(q, {"n": 1})
         await eventually(lambda: outcomes(managed) == ["dead_lettered"], what="the DLQ handoff", interval=0.05)
         # Several relay polls pass: nothing is there to publish.
         await asyncio.sleep(0.5)
         await eventually(lambda: managed.snapshot().outbox_pending == 0, what="the relay's idle count", interval=0.05)
         assert managed.snapshot().outbox_published == 0
     assert calls == [event]
-    assert await mongo_client[database_name][OUTBOX].count_documents({}) == 0
-    assert await queue_depth(amqp_channel, down) == 0
-    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert await mongodb.db[OUTBOX].count_documents({}) == 0
+    assert await broker.depth(down) == 0
+    [copy] = await broker.drain(f"{q}.dlq")
     assert copy.headers["x-lily-failure-code"] == "ORDER_INVALID"
     assert copy.headers["x-lily-event-id"] == str(event)
 
 
 async def test_transient_replay_writes_and_publishes_exactly_one_record(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    failpoints: Faults,
+    broker: Broker, mongodb: MongoDB, failpoints: Faults
 ) -> None:
-    q, down = names.queue("replay"), names.queue("down")
-    await declare_downstream(amqp_channel, down)
+    q, down = await source_and_downstream(broker, "replay")
     staged: list[uuid.UUID] = []
 
     @queue(q, version=1, content="json")
@@ -258,54 +222,48 @@ async def test_transient_replay_writes_and_publishes_exactly_one_record(
         attempts.append(ctx.attempt)  # every replay is a fresh middleware invocation
         await call_next()
 
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    consumer = outbox_consumer(broker, mongodb, q, handle)
     consumer.use(middleware)
     async with running(consumer, expect_clean=False) as managed:
         await failpoints.fail(
-            ["insert"], code=112, labels=["TransientTransactionError"], namespace=f"{database_name}.{EFFECTS}"
+            ["insert"], code=112, labels=["TransientTransactionError"], namespace=f"{mongodb.name}.{EFFECTS}"
         )
-        event = await publish(amqp, q, {"n": 1})
+        event = await broker.publish(q, {"n": 1})
         await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery", interval=0.05)
         await eventually(lambda: managed.snapshot().outbox_published == 1, what="the relay", interval=0.05)
-        assert await wait_for_depth(amqp_channel, down, 1) == 1
+        assert await broker.wait_for_depth(down, 1) == 1
         await asyncio.sleep(0.3)  # a few relay polls: no second message appears
-        assert await queue_depth(amqp_channel, down) == 1
+        assert await broker.depth(down) == 1
     await failpoints.clear()
     [observation] = managed.delivery_terminal_observations()
     assert observation.transient_replays >= 1
     assert len(staged) == observation.attempts == observation.transient_replays + 1
     assert len(set(staged)) == len(staged)  # every attempt stages its own message
     assert attempts == list(range(1, observation.attempts + 1))
-    db = mongo_client[database_name]
+    db = mongodb.db
     [record] = await db[OUTBOX].find({}).to_list()
     assert record["event_id"] == str(staged[-1])
     assert record["status"] == "published"
     assert await db[EFFECTS].count_documents({"event_id": str(event)}) == 1
-    assert event_ids(await drain(amqp_channel, down)) == [str(staged[-1])]
+    assert event_ids(await broker.drain(down)) == [str(staged[-1])]
 
 
 # -- relay failures -------------------------------------------------------------------------------
 
 
-async def test_unroutable_record_is_retried_then_parked_as_failed(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
-    q = names.queue("unroutable")
-    nowhere = f"{names.prefix}.nowhere"  # no queue is bound to this routing key
+async def test_unroutable_record_is_retried_then_parked_as_failed(broker: Broker, mongodb: MongoDB) -> None:
+    q = broker.queue("unroutable")
+    nowhere = f"{broker.names.prefix}.nowhere"  # no queue is bound to this routing key
 
     @queue(q, version=1, content="json")
     async def handle(event_id: EventId, mongo: MongoScope) -> None:
         await mongo.outbox.publish_json(nowhere, {"from": str(event_id)}, version=1)
 
     options = InboxOptions(relay=RelayOptions(max_attempts=2, backoff_base=0.05, poll_interval=0.1))
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options)
-    outbox = mongo_client[database_name][OUTBOX]
+    consumer = outbox_consumer(broker, mongodb, q, handle, inbox=options)
+    outbox = mongodb.db[OUTBOX]
     async with running(consumer, expect_clean=False) as managed:
-        await publish(amqp, q, {"n": 1})
+        await broker.publish(q, {"n": 1})
         await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery", interval=0.05)
 
         async def parked() -> bool:
@@ -324,25 +282,21 @@ async def test_unroutable_record_is_retried_then_parked_as_failed(
 
 
 async def test_an_unroutable_destination_is_logged_once_by_name_and_counted(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    caplog: pytest.LogCaptureFixture,
+    broker: Broker, mongodb: MongoDB, caplog: pytest.LogCaptureFixture
 ) -> None:
-    q = names.queue("unroutable-log")
-    nowhere = f"{names.prefix}.orders.confirmed"  # nothing declares this queue
+    q = broker.queue("unroutable-log")
+    nowhere = f"{broker.names.prefix}.orders.confirmed"  # nothing declares this queue
 
     @queue(q, version=1, content="json")
     async def handle(event_id: EventId, mongo: MongoScope) -> None:
         await mongo.outbox.publish_json(nowhere, {"from": str(event_id)}, version=1)
 
     relay = RelayOptions(max_attempts=4, backoff_base=0.02, backoff_max=0.05, poll_interval=0.05)
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=InboxOptions(relay=relay))
-    outbox = mongo_client[database_name][OUTBOX]
+    consumer = outbox_consumer(broker, mongodb, q, handle, inbox=InboxOptions(relay=relay))
+    outbox = mongodb.db[OUTBOX]
     caplog.set_level("WARNING", logger="lily_mongo")
     async with running(consumer, expect_clean=False) as managed:
-        await publish(amqp, q, {"n": 1})
+        await broker.publish(q, {"n": 1})
 
         async def parked() -> bool:
             return await outbox.count_documents({"status": "failed"}) == 1
@@ -361,20 +315,16 @@ async def test_an_unroutable_destination_is_logged_once_by_name_and_counted(
 
 
 async def test_start_warns_about_a_declared_destination_that_does_not_exist(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    caplog: pytest.LogCaptureFixture,
+    broker: Broker, mongodb: MongoDB, caplog: pytest.LogCaptureFixture
 ) -> None:
-    q = names.queue("dest-check")
-    missing = f"{names.prefix}.missing"
+    q = broker.queue("dest-check")
+    missing = f"{broker.names.prefix}.missing"
 
     @queue(q, version=1, content="json")
     async def handle(mongo: MongoScope) -> None:
         await mongo.outbox.publish_json(missing, {}, version=1)
 
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    consumer = outbox_consumer(broker, mongodb, q, handle)
     consumer.sends(missing, version=1)
     caplog.set_level("WARNING", logger="lily_mongo")
     async with running(consumer):
@@ -384,47 +334,36 @@ async def test_start_warns_about_a_declared_destination_that_does_not_exist(
 
 
 async def test_a_destination_declared_by_the_consumer_makes_its_records_routable(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    broker: Broker, mongodb: MongoDB
 ) -> None:
-    q = names.queue("dest-src")
-    destination = names.queue("dest-confirmed")
+    q = broker.queue("dest-src")
+    destination = broker.queue("dest-confirmed")
 
     @queue(q, version=1, content="json")
     async def handle(event_id: EventId, mongo: MongoScope) -> None:
         await mongo.outbox.publish_json(destination, {"from": str(event_id)}, version=1)
 
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    consumer = outbox_consumer(broker, mongodb, q, handle)
     consumer.sends(destination, version=1, declare=True)
     async with running(consumer) as managed:
-        await publish(amqp, q, {"n": 1})
-        assert await wait_for_depth(amqp_channel, destination, 1) == 1
+        await broker.publish(q, {"n": 1})
+        assert await broker.wait_for_depth(destination, 1) == 1
         assert managed.snapshot().outbox_unroutable == 0
 
     # Declared as a lily_mongo consumer of it declares it: such a consumer starts on the same queue.
     @queue(destination, version=1, content="json")
     async def downstream(event_id: EventId) -> None: ...
 
-    downstream_consumer = Consumer(amqp_url=amqp, name="downstream")
+    downstream_consumer = Consumer(amqp_url=broker.url, name="downstream")
     downstream_consumer.include(downstream)
     async with running(downstream_consumer) as managed:
         await eventually(lambda: outcomes(managed) == ["acked"], what="the relayed message consumed", interval=0.05)
 
 
-async def test_a_record_for_a_missing_exchange_does_not_stall_the_relay(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
+async def test_a_record_for_a_missing_exchange_does_not_stall_the_relay(broker: Broker, mongodb: MongoDB) -> None:
     """Publishing to a missing exchange makes the broker close the relay's channel; later records still go."""
-    q, down = names.queue("exchange"), names.queue("down")
-    await declare_downstream(amqp_channel, down)
-    missing = names.exchange("missing")  # never declared
+    q, down = await source_and_downstream(broker, "exchange")
+    missing = broker.names.exchange("missing")  # never declared
     staged: dict[str, uuid.UUID] = {}
 
     @queue(q, version=1, content="json")
@@ -433,10 +372,10 @@ async def test_a_record_for_a_missing_exchange_does_not_stall_the_relay(
         staged[order["name"]] = await mongo.outbox.publish_json(down, order, version=1, exchange=exchange)
 
     options = InboxOptions(relay=RelayOptions(max_attempts=2, backoff_base=0.05, poll_interval=0.1))
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options)
-    outbox = mongo_client[database_name][OUTBOX]
+    consumer = outbox_consumer(broker, mongodb, q, handle, inbox=options)
+    outbox = mongodb.db[OUTBOX]
     async with running(consumer, expect_clean=False) as managed:
-        await publish(amqp, q, {"name": "bad", "bad": True})
+        await broker.publish(q, {"name": "bad", "bad": True})
         await eventually(lambda: outcomes(managed) == ["acked"], what="the first delivery", interval=0.05)
 
         async def parked() -> bool:
@@ -444,12 +383,12 @@ async def test_a_record_for_a_missing_exchange_does_not_stall_the_relay(
 
         # The broker closed the relay's channel on every attempt (404 NOT_FOUND): it is parked after two.
         await eventually(parked, what="the record for the missing exchange parked", interval=0.05)
-        await publish(amqp, q, {"name": "good", "bad": False})
+        await broker.publish(q, {"name": "good", "bad": False})
         await eventually(
             lambda: managed.snapshot().outbox_published == 1, what="the good record published", interval=0.05
         )
         await eventually(lambda: managed.snapshot().outbox_failed == 1, what="the bad record parked", interval=0.05)
-    assert event_ids(await drain(amqp_channel, down)) == [str(staged["good"])]
+    assert event_ids(await broker.drain(down)) == [str(staged["good"])]
     bad = await outbox.find_one({"event_id": str(staged["bad"])})
     assert bad is not None
     assert (bad["status"], bad["attempts"]) == ("failed", 2)
@@ -458,16 +397,9 @@ async def test_a_record_for_a_missing_exchange_does_not_stall_the_relay(
     assert (good["status"], good["attempts"]) == ("published", 0)
 
 
-async def test_binary_header_values_are_relayed_as_byte_arrays(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
+async def test_binary_header_values_are_relayed_as_byte_arrays(broker: Broker, mongodb: MongoDB) -> None:
     """A bytes header value passes validation and BSON; the relay sends it as an AMQP byte array."""
-    q, down = names.queue("encode"), names.queue("down")
-    await declare_downstream(amqp_channel, down)
+    q, down = await source_and_downstream(broker, "encode")
     staged: dict[str, uuid.UUID] = {}
 
     @queue(q, version=1, content="json")
@@ -475,36 +407,30 @@ async def test_binary_header_values_are_relayed_as_byte_arrays(
         headers = {"x-fingerprint": b"\x00\x01", "x-nested": {"raw": [b"\xff"]}}
         staged["one"] = await mongo.outbox.publish_json(down, order, version=1, headers=headers)
 
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    consumer = outbox_consumer(broker, mongodb, q, handle)
     async with running(consumer, expect_clean=False) as managed:
-        await publish(amqp, q, {"name": "one"})
+        await broker.publish(q, {"name": "one"})
         await eventually(lambda: managed.snapshot().outbox_published == 1, what="the record published", interval=0.05)
-    [message] = await drain(amqp_channel, down)
+    [message] = await broker.drain(down)
     assert message.headers["x-lily-event-id"] == str(staged["one"])
     assert bytes(message.headers["x-fingerprint"]) == b"\x00\x01"
     assert [bytes(v) for v in message.headers["x-nested"]["raw"]] == [b"\xff"]
 
 
-async def test_a_malformed_record_is_a_failed_attempt_and_the_relay_goes_on(
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
+async def test_a_malformed_record_is_a_failed_attempt_and_the_relay_goes_on(mongodb: MongoDB, broker: Broker) -> None:
     """A record the relay cannot publish (here: its routing key field is missing) is parked after
     its attempts; records after it are still published by the same relay."""
-    down = names.queue("down")
-    await declare_downstream(amqp_channel, down)
-    outbox = mongo_client[database_name][OUTBOX]
+    down = broker.queue("down")
+    await broker.declare(down)
+    outbox = mongodb.db[OUTBOX]
     broken = outbox_record(down, {"n": 0})
     del broken["routing_key"]
     await outbox.insert_one(broken)
     good = outbox_record(down, {"n": 1}, available_at=broken["available_at"] + datetime.timedelta(milliseconds=1))
     await outbox.insert_one(good)
     relay = OutboxRelay(outbox, RelayOptions(max_attempts=1, poll_interval=0.05, backoff_base=0.05), "relay-a")
-    async with relays_running(amqp_connection, [relay]) as tasks:
-        await wait_for_depth(amqp_channel, down, 1)
+    async with relays_running(broker.connection, [relay]) as tasks:
+        await broker.wait_for_depth(down, 1)
 
         async def parked() -> bool:
             doc = await outbox.find_one({"_id": broken["_id"]})
@@ -512,7 +438,7 @@ async def test_a_malformed_record_is_a_failed_attempt_and_the_relay_goes_on(
 
         await eventually(parked, what="the malformed record parked", interval=0.05)
         assert not any(task.done() for task in tasks)  # the relay is still running
-    assert event_ids(await drain(amqp_channel, down)) == [good["event_id"]]
+    assert event_ids(await broker.drain(down)) == [good["event_id"]]
     doc = await outbox.find_one({"_id": broken["_id"]})
     assert doc is not None
     assert "KeyError" in doc["last_error"]
@@ -521,27 +447,21 @@ async def test_a_malformed_record_is_a_failed_attempt_and_the_relay_goes_on(
 # -- several relays, crash windows ----------------------------------------------------------------
 
 
-async def test_two_relays_publish_every_record_exactly_once(
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-) -> None:
-    down = names.queue("down")
-    await declare_downstream(amqp_channel, down)
-    outbox = mongo_client[database_name][OUTBOX]
+async def test_two_relays_publish_every_record_exactly_once(mongodb: MongoDB, broker: Broker) -> None:
+    down = broker.queue("down")
+    await broker.declare(down)
+    outbox = mongodb.db[OUTBOX]
     records = [outbox_record(down, {"n": i}) for i in range(12)]
     await outbox.insert_many(records)
     relays = [OutboxRelay(outbox, RelayOptions(poll_interval=0.05), f"relay-{i}") for i in range(2)]
-    async with relays_running(amqp_connection, relays):
+    async with relays_running(broker.connection, relays):
 
         async def all_published() -> bool:
             return await outbox.count_documents({"status": "published"}) == len(records)
 
         await eventually(all_published, what="every record published", interval=0.05)
         await asyncio.sleep(0.3)  # both relays poll again: nothing is republished
-    messages = await drain(amqp_channel, down)
+    messages = await broker.drain(down)
     published = event_ids(messages)
     assert len(published) == len(records)
     assert sorted(published) == sorted(r["event_id"] for r in records)
@@ -551,16 +471,10 @@ async def test_two_relays_publish_every_record_exactly_once(
         assert record["claim_owner"] in ("relay-0", "relay-1")
 
 
-async def test_expired_claim_is_taken_over_and_a_live_claim_is_respected(
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-) -> None:
-    down = names.queue("down")
-    await declare_downstream(amqp_channel, down)
-    outbox = mongo_client[database_name][OUTBOX]
+async def test_expired_claim_is_taken_over_and_a_live_claim_is_respected(mongodb: MongoDB, broker: Broker) -> None:
+    down = broker.queue("down")
+    await broker.declare(down)
+    outbox = mongodb.db[OUTBOX]
     now = datetime.datetime.now(datetime.UTC)
     # A relay crashed after claiming: its claim expired a minute ago.
     crashed = outbox_record(
@@ -576,7 +490,7 @@ async def test_expired_claim_is_taken_over_and_a_live_claim_is_respected(
     )
     await outbox.insert_many([crashed, held])
     relay = OutboxRelay(outbox, RelayOptions(poll_interval=0.05), "relay-new")
-    async with relays_running(amqp_connection, [relay]):
+    async with relays_running(broker.connection, [relay]):
 
         async def taken_over() -> bool:
             return await outbox.count_documents({"_id": crashed["_id"], "status": "published"}) == 1
@@ -586,7 +500,7 @@ async def test_expired_claim_is_taken_over_and_a_live_claim_is_respected(
         still = await outbox.find_one({"_id": held["_id"]})
         assert still is not None
         assert (still["status"], still["claim_owner"], still["claim_token"]) == ("pending", "alive", "t2")
-        assert event_ids(await drain(amqp_channel, down)) == [crashed["event_id"]]
+        assert event_ids(await broker.drain(down)) == [crashed["event_id"]]
         await eventually(lambda: relay.pending == 1, what="the relay's idle count", interval=0.05)
         # Once that claim expires, the record is published after all.
         await outbox.update_one({"_id": held["_id"]}, {"$set": {"claim_expires": now - datetime.timedelta(seconds=1)}})
@@ -595,7 +509,7 @@ async def test_expired_claim_is_taken_over_and_a_live_claim_is_respected(
             return await outbox.count_documents({"_id": held["_id"], "status": "published"}) == 1
 
         await eventually(released, what="the formerly held record published", interval=0.05)
-    assert event_ids(await drain(amqp_channel, down)) == [held["event_id"]]
+    assert event_ids(await broker.drain(down)) == [held["event_id"]]
     taken = await outbox.find_one({"_id": crashed["_id"]})
     assert taken is not None
     assert taken["claim_owner"] == "relay-new"
@@ -605,25 +519,18 @@ async def test_expired_claim_is_taken_over_and_a_live_claim_is_respected(
 # -- lifecycle ------------------------------------------------------------------------------------
 
 
-async def test_graceful_shutdown_stops_the_relay_and_leaves_pending_records(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
-    q, down = names.queue("stop"), names.queue("down")
-    await declare_downstream(amqp_channel, down)
+async def test_graceful_shutdown_stops_the_relay_and_leaves_pending_records(broker: Broker, mongodb: MongoDB) -> None:
+    q, down = await source_and_downstream(broker, "stop")
 
     @queue(q, version=1, content="json")
     async def handle(event_id: EventId, mongo: MongoScope) -> None:
         raise AssertionError("no delivery is published in this test")
 
-    outbox = mongo_client[database_name][OUTBOX]
+    outbox = mongodb.db[OUTBOX]
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
     records = [outbox_record(down, {"n": i}, available_at=later) for i in range(3)]
     await outbox.insert_many(records)
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle)
+    consumer = outbox_consumer(broker, mongodb, q, handle)
     managed = await consumer.start()
     try:
         await eventually(
@@ -639,19 +546,11 @@ async def test_graceful_shutdown_stops_the_relay_and_leaves_pending_records(
         assert record["status"] == "pending"
         assert record["attempts"] == 0
         assert "claim_owner" not in record
-    assert await queue_depth(amqp_channel, down) == 0
+    assert await broker.depth(down) == 0
 
 
-async def test_run_relay_false_leaves_records_pending_for_another_relay(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-) -> None:
-    q, down = names.queue("norelay"), names.queue("down")
-    await declare_downstream(amqp_channel, down)
+async def test_run_relay_false_leaves_records_pending_for_another_relay(broker: Broker, mongodb: MongoDB) -> None:
+    q, down = await source_and_downstream(broker, "norelay")
     staged: list[uuid.UUID] = []
 
     @queue(q, version=1, content="json")
@@ -659,39 +558,32 @@ async def test_run_relay_false_leaves_records_pending_for_another_relay(
         staged.append(await mongo.outbox.publish_json(down, {"from": str(event_id)}, version=1))
 
     options = InboxOptions(run_relay=False, relay=FAST_RELAY)
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options)
-    outbox = mongo_client[database_name][OUTBOX]
+    consumer = outbox_consumer(broker, mongodb, q, handle, inbox=options)
+    outbox = mongodb.db[OUTBOX]
     async with running(consumer, expect_clean=False) as managed:
-        await publish(amqp, q, {"n": 1})
+        await broker.publish(q, {"n": 1})
         await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery", interval=0.05)
         await asyncio.sleep(0.5)  # what would be several relay polls
         assert managed.snapshot().outbox_published == 0
-        assert await queue_depth(amqp_channel, down) == 0
+        assert await broker.depth(down) == 0
     report = await managed.shutdown()
     assert report.succeeded is True, report.render()
     [record] = await outbox.find({}).to_list()
     assert (record["status"], record["attempts"], record["event_id"]) == ("pending", 0, str(staged[-1]))
     assert "claim_owner" not in record
-    assert await queue_depth(amqp_channel, down) == 0
+    assert await broker.depth(down) == 0
     # A relay run elsewhere picks it up.
     relay = OutboxRelay(outbox, RelayOptions(poll_interval=0.05), "relay-elsewhere")
-    async with relays_running(amqp_connection, [relay]):
+    async with relays_running(broker.connection, [relay]):
         await eventually(lambda: relay.published == 1, what="the relay elsewhere", interval=0.05)
-    assert event_ids(await drain(amqp_channel, down)) == [str(staged[-1])]
+    assert event_ids(await broker.drain(down)) == [str(staged[-1])]
 
 
 # -- bounds ---------------------------------------------------------------------------------------
 
 
-async def test_outbox_body_over_the_bound_raises_config_error_in_the_handler(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
-    q, down = names.queue("bound"), names.queue("down")
-    await declare_downstream(amqp_channel, down)
+async def test_outbox_body_over_the_bound_raises_config_error_in_the_handler(broker: Broker, mongodb: MongoDB) -> None:
+    q, down = await source_and_downstream(broker, "bound")
     caught: list[ConfigError] = []
 
     @queue(q, version=1, content="json")
@@ -706,26 +598,26 @@ async def test_outbox_body_over_the_bound_raises_config_error_in_the_handler(
             await mongo.outbox.publish_text(down, order["fill"] * 65, version=1)
 
     options = InboxOptions(outbox_max_body=64, relay=FAST_RELAY)
-    consumer = make_consumer(amqp, mongo_client, database_name, q, handle, inbox=options, unknown_errors="permanent")
-    outbox = mongo_client[database_name][OUTBOX]
+    consumer = outbox_consumer(broker, mongodb, q, handle, inbox=options, unknown_errors="permanent")
+    outbox = mongodb.db[OUTBOX]
     async with running(consumer, expect_clean=False) as managed:
-        await publish(amqp, q, {"fill": "a", "catch": True})
+        await broker.publish(q, {"fill": "a", "catch": True})
         await eventually(lambda: outcomes(managed) == ["acked"], what="the caught case", interval=0.05)
-        bad = await publish(amqp, q, {"fill": "b", "catch": False})
+        bad = await broker.publish(q, {"fill": "b", "catch": False})
         await eventually(
             lambda: outcomes(managed) == ["acked", "dead_lettered"], what="the uncaught case", interval=0.05
         )
         await eventually(lambda: managed.snapshot().outbox_published == 1, what="the relay", interval=0.05)
-        assert await wait_for_depth(amqp_channel, f"{q}.dlq", 1) == 1
+        assert await broker.wait_for_depth(f"{q}.dlq", 1) == 1
     [error] = caught
     assert "QUEUE_BODY_TOO_LARGE" in str(error)
-    [message] = await drain(amqp_channel, down)
+    [message] = await broker.drain(down)
     assert message.body == b"a" * 64
     assert message.content_type == "text/plain; charset=utf-8"
     assert message.headers["x-lily-content-kind"] == "text"
     [record] = await outbox.find({}).to_list()  # the uncaught attempt aborted with its 64-byte record
     assert record["body"] == b"a" * 64
-    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    [copy] = await broker.drain(f"{q}.dlq")
     assert copy.headers["x-lily-event-id"] == str(bad)
     assert copy.headers["x-lily-failure-code"] == "QUEUE_HANDLER_FAILED"
     assert "ConfigError" in str(copy.headers["x-lily-failure-reason"])
