@@ -176,16 +176,16 @@ class Broker:
 
     def consumer(
         self,
-        q: str,
+        queues: str | tuple[str, ...],
         *handlers: Callable[..., Awaitable[None]],
         name: str = "t",
         mongodb: MongoDB | None = None,
         **options: Any,
     ) -> Consumer:
-        """A consumer of ``q`` on this broker linking ``handlers`` (with an inbox in ``mongodb``, if given).
+        """A consumer of ``queues`` on this broker linking ``handlers`` (with an inbox in ``mongodb``, if given).
 
-        ``options`` that name a :class:`QueueOptions` field configure ``q``; the others go to the
-        :class:`Consumer` (``graceful_timeout``, ``inbox``, ``telemetry``, ``amqp_url``, ...).
+        ``options`` that name a :class:`QueueOptions` field configure each queue; the others go to
+        the :class:`Consumer` (``graceful_timeout``, ``inbox``, ``telemetry``, ``amqp_url``, ...).
         """
         queue_options = {key: value for key, value in options.items() if key in QUEUE_SETTINGS}
         settings = {key: value for key, value in options.items() if key not in QUEUE_SETTINGS}
@@ -193,7 +193,8 @@ class Broker:
         if mongodb is not None:
             settings.update(mongo_client=mongodb.client, database=mongodb.name)
         consumer = Consumer(name=name, **settings)
-        consumer.configure_queue(q, **queue_options)
+        for q in (queues,) if isinstance(queues, str) else queues:
+            consumer.configure_queue(q, **queue_options)
         consumer.include(*handlers)
         return consumer
 

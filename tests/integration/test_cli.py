@@ -32,7 +32,6 @@ import jsonschema
 import pydantic
 import pytest
 import yaml
-from pymongo import AsyncMongoClient
 from typer.testing import CliRunner
 from yarl import URL
 
@@ -42,7 +41,6 @@ from lily_mongo import (
     Json,
     ManagedConsumer,
     MongoScope,
-    Publisher,
     QueueHandlerError,
     RawDelivery,
     RetryCount,
@@ -52,12 +50,11 @@ from lily_mongo import (
 from lily_mongo.cli import app as cli_app
 from lily_mongo.testing import Faults
 from tests.support import (
-    BrokerNames,
+    Broker,
+    MongoDB,
     consumer_count,
-    drain,
     eventually,
     outcomes,
-    queue_depth,
     resolve,
     running,
     version_and_content,
@@ -247,26 +244,21 @@ async def running_service(
         yield process, log
 
 
-async def publish_one(amqp: str, q: str, payload: dict[str, Any], **options: Any) -> uuid.UUID:
-    async with Publisher(amqp) as publisher:
-        return await publisher.publish_json(q, payload, version=1, **options)
+@pytest.fixture
+def env(amqp: str, mongo_uri: str) -> dict[str, str]:
+    """The command's environment, pointing at the test servers."""
+    return cli_env(amqp, mongo_uri)
 
 
 # -- run --------------------------------------------------------------------------------------------
 
 
 async def test_run_consumes_and_sigterm_shuts_down_gracefully(
-    amqp: str,
-    mongo_uri: str,
-    names: BrokerNames,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    tmp_path: Path,
+    env: dict[str, str], broker: Broker, tmp_path: Path
 ) -> None:
-    q = names.queue("run")
-    env = cli_env(amqp, mongo_uri)
-    async with running_service(tmp_path, q, env, amqp_connection) as (process, log):
-        event = await publish_one(amqp, q, {"n": 1})
+    q = broker.queue("run")
+    async with running_service(tmp_path, q, env, broker.connection) as (process, log):
+        event = await broker.publish(q, {"n": 1})
         await wait_for_line(log, f"done {event}")
         process.send_signal(signal.SIGTERM)
         result = await finish(process, ["lily-mongo", "run"], timeout=20)
@@ -275,23 +267,17 @@ async def test_run_consumes_and_sigterm_shuts_down_gracefully(
     assert "(forced)" not in result.stdout
     assert log_lines(log) == [f"start {event}", f"done {event}"]
     # The delivery was ACKed: nothing back in the queue, nothing dead-lettered, no consumer left.
-    assert await wait_for_depth(amqp_channel, q, 0) == 0
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
-    assert await consumer_count(amqp_connection, q) == 0
+    assert await broker.wait_for_depth(q, 0) == 0
+    assert await broker.depth(f"{q}.dlq") == 0
+    assert await consumer_count(broker.connection, q) == 0
 
 
 async def test_run_second_signal_forces_and_requeues_the_running_delivery(
-    amqp: str,
-    mongo_uri: str,
-    names: BrokerNames,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    tmp_path: Path,
+    env: dict[str, str], broker: Broker, tmp_path: Path
 ) -> None:
-    q = names.queue("force")
-    env = cli_env(amqp, mongo_uri)
-    async with running_service(tmp_path, q, env, amqp_connection) as (process, log):
-        event = await publish_one(amqp, q, {"sleep": 60})
+    q = broker.queue("force")
+    async with running_service(tmp_path, q, env, broker.connection) as (process, log):
+        event = await broker.publish(q, {"sleep": 60})
         await wait_for_line(log, f"start {event}")
         process.send_signal(signal.SIGINT)
         await asyncio.sleep(0.05)
@@ -302,26 +288,19 @@ async def test_run_second_signal_forces_and_requeues_the_running_delivery(
     assert f"cancelled {event}" in log_lines(log)
     assert f"done {event}" not in log_lines(log)
     # A forced shutdown is not an application failure: the copy is back in Q with its retry count untouched.
-    assert await wait_for_depth(amqp_channel, q, 1) == 1, result.describe()
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
-    assert await queue_depth(amqp_channel, f"{q}.retry.0") == 0
-    (message,) = await drain(amqp_channel, q)
+    assert await broker.wait_for_depth(q, 1) == 1, result.describe()
+    assert await broker.depth(f"{q}.dlq") == 0
+    assert await broker.depth(f"{q}.retry.0") == 0
+    (message,) = await broker.drain(q)
     headers = message.headers or {}
     assert headers.get("x-lily-event-id") == str(event)
     assert headers.get("x-retry-count", 0) == 0
 
 
-async def test_run_forced_shutdown_exits_with_status_1(
-    amqp: str,
-    mongo_uri: str,
-    names: BrokerNames,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    tmp_path: Path,
-) -> None:
-    q = names.queue("forcerc")
-    env = cli_env(amqp, mongo_uri)
-    async with running_service(tmp_path, q, env, amqp_connection) as (process, log):
-        event = await publish_one(amqp, q, {"sleep": 60})
+async def test_run_forced_shutdown_exits_with_status_1(env: dict[str, str], broker: Broker, tmp_path: Path) -> None:
+    q = broker.queue("forcerc")
+    async with running_service(tmp_path, q, env, broker.connection) as (process, log):
+        event = await broker.publish(q, {"sleep": 60})
         await wait_for_line(log, f"start {event}")
         process.send_signal(signal.SIGINT)
         await asyncio.sleep(0.05)
@@ -332,17 +311,11 @@ async def test_run_forced_shutdown_exits_with_status_1(
 
 
 async def test_run_forced_shutdown_with_an_uncooperative_handler_reports_unresolved(
-    amqp: str,
-    mongo_uri: str,
-    names: BrokerNames,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    tmp_path: Path,
+    env: dict[str, str], broker: Broker, tmp_path: Path
 ) -> None:
-    q = names.queue("stubborn")
-    env = cli_env(amqp, mongo_uri)
-    async with running_service(tmp_path, q, env, amqp_connection, force_timeout=0.5) as (process, log):
-        event = await publish_one(amqp, q, {"sleep": 60, "stubborn": True})
+    q = broker.queue("stubborn")
+    async with running_service(tmp_path, q, env, broker.connection, force_timeout=0.5) as (process, log):
+        event = await broker.publish(q, {"sleep": 60, "stubborn": True})
         await wait_for_line(log, f"start {event}")
         process.send_signal(signal.SIGINT)
         await asyncio.sleep(0.05)
@@ -353,12 +326,12 @@ async def test_run_forced_shutdown_with_an_uncooperative_handler_reports_unresol
     assert "shutdown FAILED (forced)" in first, result.describe()
     assert "unresolved deliveries: 1" in first, result.describe()
     # Never ACKed and never handed off: the broker gets the delivery back when the channel closes.
-    assert await wait_for_depth(amqp_channel, q, 1) == 1
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
+    assert await broker.wait_for_depth(q, 1) == 1
+    assert await broker.depth(f"{q}.dlq") == 0
 
 
-async def test_run_with_a_bad_target_fails_without_a_traceback(amqp: str, mongo_uri: str, tmp_path: Path) -> None:
-    result = await run_cli("run", "no_such_module_here:consumer", env=cli_env(amqp, mongo_uri), cwd=tmp_path)
+async def test_run_with_a_bad_target_fails_without_a_traceback(env: dict[str, str], tmp_path: Path) -> None:
+    result = await run_cli("run", "no_such_module_here:consumer", env=env, cwd=tmp_path)
     assert result.returncode == 2, result.describe()
     assert "no_such_module_here" in one_error_line(result)
 
@@ -398,10 +371,10 @@ TARGETS = """
     ],
 )
 async def test_a_target_that_is_not_a_runnable_consumer_is_refused_in_one_line(
-    amqp: str, mongo_uri: str, tmp_path: Path, command: str, target: str, says: str
+    env: dict[str, str], tmp_path: Path, command: str, target: str, says: str
 ) -> None:
     (tmp_path / "targets.py").write_text(textwrap.dedent(TARGETS))
-    result = await run_cli(command, target, env=cli_env(amqp, mongo_uri), cwd=tmp_path)
+    result = await run_cli(command, target, env=env, cwd=tmp_path)
     assert result.returncode == 2, result.describe()
     assert says in one_error_line(result)
     assert "never awaited" not in result.stderr  # the async factory was not called on a guess
@@ -471,9 +444,9 @@ async def shop_asyncapi(tmp_path: Path, env: dict[str, str], fmt: str, target: s
 
 
 async def test_asyncapi_json_validates_and_describes_the_plan(
-    amqp: str, mongo_uri: str, tmp_path: Path, asyncapi_validator: jsonschema.Draft7Validator
+    env: dict[str, str], tmp_path: Path, asyncapi_validator: jsonschema.Draft7Validator
 ) -> None:
-    document = json.loads(await shop_asyncapi(tmp_path, cli_env(amqp, mongo_uri), "json"))
+    document = json.loads(await shop_asyncapi(tmp_path, env, "json"))
     asyncapi_validator.validate(document)
     assert document["asyncapi"] == "3.0.0"
     channels = {c["address"]: c for c in document["channels"].values()}
@@ -514,17 +487,16 @@ async def test_asyncapi_json_validates_and_describes_the_plan(
     assert library_copy["properties"]["x-lily-failed-queue"]["const"] == "shop.orders.created"
 
 
-async def test_asyncapi_yaml_is_the_same_document(amqp: str, mongo_uri: str, tmp_path: Path) -> None:
-    env = cli_env(amqp, mongo_uri)
+async def test_asyncapi_yaml_is_the_same_document(env: dict[str, str], tmp_path: Path) -> None:
     from_json = json.loads(await shop_asyncapi(tmp_path, env, "json"))
     from_yaml = yaml.safe_load(await shop_asyncapi(tmp_path, env, "yaml", target="shop:make_consumer"))
     assert from_yaml == from_json
 
 
 async def test_asyncapi_validator_rejects_broken_copies(
-    amqp: str, mongo_uri: str, tmp_path: Path, asyncapi_validator: jsonschema.Draft7Validator
+    env: dict[str, str], tmp_path: Path, asyncapi_validator: jsonschema.Draft7Validator
 ) -> None:
-    document = json.loads(await shop_asyncapi(tmp_path, cli_env(amqp, mongo_uri), "json"))
+    document = json.loads(await shop_asyncapi(tmp_path, env, "json"))
     asyncapi_validator.validate(document)
     without_version = {k: v for k, v in document.items() if k != "asyncapi"}
     with pytest.raises(jsonschema.ValidationError):
@@ -535,9 +507,9 @@ async def test_asyncapi_validator_rejects_broken_copies(
         asyncapi_validator.validate(bogus)
 
 
-async def test_asyncapi_rejects_a_target_that_is_not_a_consumer(amqp: str, mongo_uri: str, tmp_path: Path) -> None:
+async def test_asyncapi_rejects_a_target_that_is_not_a_consumer(env: dict[str, str], tmp_path: Path) -> None:
     (tmp_path / "notaconsumer.py").write_text("VALUE = 42\n")
-    result = await run_cli("asyncapi", "notaconsumer:VALUE", env=cli_env(amqp, mongo_uri), cwd=tmp_path)
+    result = await run_cli("asyncapi", "notaconsumer:VALUE", env=env, cwd=tmp_path)
     assert result.returncode == 2, result.describe()
     assert "not a lily_mongo.Consumer" in " ".join(result.stderr.split())
 
@@ -565,8 +537,18 @@ class DlqService:
     seen: list[Seen]
     consumer: Consumer
 
+    @property
+    def dlq(self) -> str:
+        return f"{self.q}.dlq"
 
-def dlq_service(amqp: str, client: AsyncMongoClient[Any], database: str, q: str) -> DlqService:
+    async def dead_letter(self, broker: Broker, *ns: int, **options: Any) -> list[uuid.UUID]:
+        """Publish one rejected item per ``n``; return their event ids once all of them are in the DLQ."""
+        events = [await broker.publish(self.q, {"n": n, "reject": True}, **options) for n in ns]
+        assert await broker.wait_for_depth(self.dlq, len(events)) == len(events)
+        return events
+
+
+def dlq_service(broker: Broker, mongodb: MongoDB, q: str) -> DlqService:
     """An inbox handler that rejects ``reject`` payloads permanently until ``switch`` is set."""
     switch = asyncio.Event()
     seen: list[Seen] = []
@@ -581,9 +563,10 @@ def dlq_service(amqp: str, client: AsyncMongoClient[Any], database: str, q: str)
             raise QueueHandlerError.permanent("ITEM_REJECTED", "the switch is off")
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id), "n": item.n}, session=mongo.session)
 
-    consumer = Consumer(amqp_url=amqp, mongo_client=client, database=database, name="dlq-cli", graceful_timeout=10.0)
-    consumer.configure_queue(q, concurrency=1, prefetch=4, retry=RetryPolicy(max_retries=2, delays=(0.2,)))
-    consumer.include(on_item)
+    retry = RetryPolicy(max_retries=2, delays=(0.2,))
+    consumer = broker.consumer(
+        q, on_item, name="dlq-cli", mongodb=mongodb, graceful_timeout=10.0, concurrency=1, prefetch=4, retry=retry
+    )
     return DlqService(q, handler_id, switch, seen, consumer)
 
 
@@ -596,24 +579,17 @@ def count_outcome(managed: ManagedConsumer, outcome: str) -> int:
     return sum(o.outcome == outcome for o in managed.delivery_terminal_observations())
 
 
-async def effects_of(client: AsyncMongoClient[Any], database: str, event_id: uuid.UUID) -> int:
-    return await client[database][EFFECTS].count_documents({"event_id": str(event_id)})
+async def effects_of(mongodb: MongoDB, event_id: uuid.UUID) -> int:
+    return await mongodb.db[EFFECTS].count_documents({"event_id": str(event_id)})
 
 
 async def test_dlq_list_shows_without_consuming_and_replay_reprocesses_once(
-    amqp: str,
-    mongo_uri: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    env: dict[str, str], broker: Broker, mongodb: MongoDB
 ) -> None:
-    service = dlq_service(amqp, mongo_client, database_name, names.queue("dlq"))
-    q, dlq = service.q, f"{service.q}.dlq"
-    env = cli_env(amqp, mongo_uri)
+    service = dlq_service(broker, mongodb, broker.queue("dlq"))
+    q, dlq = service.q, service.dlq
     async with running(service.consumer) as managed:
-        event = await publish_one(amqp, q, {"n": 7, "reject": True}, retry_count=2)
-        assert await wait_for_depth(amqp_channel, dlq, 1) == 1
+        [event] = await service.dead_letter(broker, 7, retry_count=2)
 
         listed = await run_cli("dlq", "list", q, "--json", env=env)
         assert listed.returncode == 0, listed.describe()
@@ -625,8 +601,8 @@ async def test_dlq_list_shows_without_consuming_and_replay_reprocesses_once(
         failed_at = datetime.datetime.fromisoformat(rows[0]["failed_at"])
         assert failed_at.tzinfo is not None
         assert abs((datetime.datetime.now(datetime.UTC) - failed_at).total_seconds()) < 60
-        assert await wait_for_depth(amqp_channel, dlq, 1) == 1  # listing leaves it there
-        assert await queue_depth(amqp_channel, q) == 0
+        assert await broker.wait_for_depth(dlq, 1) == 1  # listing leaves it there
+        assert await broker.depth(q) == 0
         assert len(service.seen) == 1
 
         service.switch.set()
@@ -635,111 +611,88 @@ async def test_dlq_list_shows_without_consuming_and_replay_reprocesses_once(
         assert "replayed 1 message(s)" in " ".join(replayed.stdout.split()), replayed.describe()
 
         async def applied() -> bool:
-            return await effects_of(mongo_client, database_name, event) == 1
+            return await effects_of(mongodb, event) == 1
 
         await eventually(applied, timeout=15.0, what="the replayed event's effect", interval=0.05)
-        assert await wait_for_depth(amqp_channel, dlq, 0) == 0
+        assert await broker.wait_for_depth(dlq, 0) == 0
     assert final_outcomes(managed) == ["dead_lettered", "acked"]
-    assert await effects_of(mongo_client, database_name, event) == 1
-    assert await mongo_client[database_name][COMPLETIONS].count_documents({"event_id": str(event)}) == 1
+    assert await effects_of(mongodb, event) == 1
+    assert await mongodb.db[COMPLETIONS].count_documents({"event_id": str(event)}) == 1
     assert {s.event_id for s in service.seen} == {event}
     assert len(service.seen) >= 2
     replay = service.seen[-1]
     assert replay.retries == 0  # --reset-retries; the DLQ copy carried 2
     assert "x-lily-failure-code" not in replay.headers
-    assert await queue_depth(amqp_channel, q) == 0
-    assert await queue_depth(amqp_channel, dlq) == 0
+    assert await broker.depths(q, dlq) == [0, 0]
 
 
-async def test_dlq_replay_all_moves_every_message(
-    amqp: str,
-    mongo_uri: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
-    service = dlq_service(amqp, mongo_client, database_name, names.queue("dlqall"))
-    q, dlq = service.q, f"{service.q}.dlq"
+async def test_dlq_replay_all_moves_every_message(env: dict[str, str], broker: Broker, mongodb: MongoDB) -> None:
+    service = dlq_service(broker, mongodb, broker.queue("dlqall"))
+    q, dlq = service.q, service.dlq
     async with running(service.consumer) as managed:
-        events = [await publish_one(amqp, q, {"n": n, "reject": True}) for n in (1, 2)]
-        assert await wait_for_depth(amqp_channel, dlq, 2) == 2
+        events = await service.dead_letter(broker, 1, 2)
         service.switch.set()
-        replayed = await run_cli("dlq", "replay", q, "--all", env=cli_env(amqp, mongo_uri))
+        replayed = await run_cli("dlq", "replay", q, "--all", env=env)
         assert replayed.returncode == 0, replayed.describe()
         assert "replayed 2 message(s)" in " ".join(replayed.stdout.split()), replayed.describe()
 
         async def applied() -> bool:
-            return all([await effects_of(mongo_client, database_name, e) == 1 for e in events])
+            return all([await effects_of(mongodb, e) == 1 for e in events])
 
         await eventually(applied, timeout=15.0, what="both replayed effects", interval=0.05)
-        assert await wait_for_depth(amqp_channel, dlq, 0) == 0
+        assert await broker.wait_for_depth(dlq, 0) == 0
     for event in events:
-        assert await effects_of(mongo_client, database_name, event) == 1
+        assert await effects_of(mongodb, event) == 1
     assert {s.event_id for s in service.seen} == set(events)
     assert sorted(final_outcomes(managed)) == ["acked", "acked", "dead_lettered", "dead_lettered"]
-    assert await queue_depth(amqp_channel, q) == 0
-    assert await queue_depth(amqp_channel, dlq) == 0
+    assert await broker.depths(q, dlq) == [0, 0]
 
 
 async def test_dlq_replay_of_an_event_id_no_message_carries_fails_and_leaves_the_message(
-    amqp: str,
-    mongo_uri: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    env: dict[str, str], broker: Broker, mongodb: MongoDB
 ) -> None:
-    service = dlq_service(amqp, mongo_client, database_name, names.queue("dlqmiss"))
-    q, dlq = service.q, f"{service.q}.dlq"
+    service = dlq_service(broker, mongodb, broker.queue("dlqmiss"))
+    q, dlq = service.q, service.dlq
     async with running(service.consumer):
-        event = await publish_one(amqp, q, {"n": 3, "reject": True})
-        assert await wait_for_depth(amqp_channel, dlq, 1) == 1
+        [event] = await service.dead_letter(broker, 3)
         # Switched on: a wrongly replayed copy would be processed and leave the DLQ for good.
         service.switch.set()
         other = uuid.uuid4()
-        replayed = await run_cli("dlq", "replay", q, "--event-id", str(other), env=cli_env(amqp, mongo_uri))
+        replayed = await run_cli("dlq", "replay", q, "--event-id", str(other), env=env)
         assert replayed.returncode == 1, replayed.describe()
         assert "replayed 0 message(s)" in " ".join(replayed.stdout.split()), replayed.describe()
         line = one_error_line(replayed)
         assert str(other) in line
         assert "1 message(s) inspected" in line
     # The consumer has drained and stopped: anything replayed would be in Q or applied by now.
-    assert await queue_depth(amqp_channel, q) == 0
-    assert await effects_of(mongo_client, database_name, event) == 0
+    assert await broker.depth(q) == 0
+    assert await effects_of(mongodb, event) == 0
     assert len(service.seen) == 1
-    (left,) = await drain(amqp_channel, dlq)
+    (left,) = await broker.drain(dlq)
     assert (left.headers or {}).get("x-lily-event-id") == str(event)
 
 
-async def test_dlq_replay_without_a_selection_is_refused(
-    amqp: str, mongo_uri: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("dlqnone")
-    await amqp_channel.declare_queue(f"{q}.dlq", durable=True)
-    await amqp_channel.default_exchange.publish(
+async def test_dlq_replay_without_a_selection_is_refused(env: dict[str, str], broker: Broker) -> None:
+    q = broker.queue("dlqnone")
+    await broker.channel.declare_queue(f"{q}.dlq", durable=True)
+    await broker.channel.default_exchange.publish(
         aio_pika.Message(b"{}", headers={"x-lily-event-id": str(uuid.uuid4())}), routing_key=f"{q}.dlq"
     )
-    assert await wait_for_depth(amqp_channel, f"{q}.dlq", 1) == 1
-    result = await run_cli("dlq", "replay", q, env=cli_env(amqp, mongo_uri))
+    assert await broker.wait_for_depth(f"{q}.dlq", 1) == 1
+    result = await run_cli("dlq", "replay", q, env=env)
     assert result.returncode == 2, result.describe()
     assert "--event-id" in one_error_line(result)
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 1
+    assert await broker.depth(f"{q}.dlq") == 1
 
 
 # -- inbox stats ------------------------------------------------------------------------------------
 
 
 async def test_inbox_stats_counts_completions_and_outbox_per_handler(
-    amqp: str,
-    mongo_uri: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    env: dict[str, str], broker: Broker, mongodb: MongoDB
 ) -> None:
-    q_orders, q_audit, q_out = names.queue("stats"), names.queue("audit"), names.queue("out")
-    await amqp_channel.declare_queue(q_out, durable=True)
+    q_orders, q_audit, q_out = broker.queue("stats"), broker.queue("audit"), broker.queue("out")
+    await broker.channel.declare_queue(q_out, durable=True)
 
     @queue(q_orders, version=1, content="json", handler_id="stats.orders.v1")
     async def on_order(item: Json[Item], event_id: EventId, mongo: MongoScope) -> None:
@@ -750,22 +703,20 @@ async def test_inbox_stats_counts_completions_and_outbox_per_handler(
     async def on_audit(item: Json[Item], event_id: EventId, mongo: MongoScope) -> None:
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
 
-    consumer = Consumer(
-        amqp_url=amqp, mongo_client=mongo_client, database=database_name, name="stats", graceful_timeout=10.0
+    queues = {"concurrency": 1, "prefetch": 4, "retry": RetryPolicy(max_retries=1, delays=(0.2,))}
+    consumer = broker.consumer(
+        (q_orders, q_audit), on_order, on_audit, name="stats", mongodb=mongodb, graceful_timeout=10.0, **queues
     )
-    for q in (q_orders, q_audit):
-        consumer.configure_queue(q, concurrency=1, prefetch=4, retry=RetryPolicy(max_retries=1, delays=(0.2,)))
-    consumer.include(on_order, on_audit)
-    outbox = mongo_client[database_name]["lily_outbox"]
+    outbox = mongodb.db["lily_outbox"]
     async with running(consumer) as managed:
-        events = [await publish_one(amqp, q_orders, {"n": n}) for n in range(3)]
-        await publish_one(amqp, q_audit, {"n": 99})
+        events = [await broker.publish(q_orders, {"n": n}) for n in range(3)]
+        await broker.publish(q_audit, {"n": 99})
 
         async def all_settled() -> bool:
             return count_outcome(managed, "acked") == 4
 
         await eventually(all_settled, timeout=15.0, what="four deliveries acked", interval=0.05)
-        await publish_one(amqp, q_orders, {"n": 0}, event_id=events[0])  # a duplicate copy
+        await broker.publish(q_orders, {"n": 0}, event_id=events[0])  # a duplicate copy
 
         async def duplicate_absorbed() -> bool:
             return count_outcome(managed, "duplicate") == 1
@@ -776,11 +727,9 @@ async def test_inbox_stats_counts_completions_and_outbox_per_handler(
         await eventually(duplicate_absorbed, timeout=15.0, what="the duplicate settled", interval=0.05)
         await eventually(relayed, timeout=15.0, what="three outbox records published", interval=0.05)
     assert sorted(final_outcomes(managed)) == ["acked", "acked", "acked", "acked", "duplicate"]
-    assert await queue_depth(amqp_channel, q_out) == 3
+    assert await broker.depth(q_out) == 3
 
-    result = await run_cli(
-        "inbox", "stats", database_name, "--mongo-uri", mongo_uri, "--json", env=cli_env(amqp, mongo_uri)
-    )
+    result = await run_cli("inbox", "stats", mongodb.name, "--mongo-uri", mongodb.uri, "--json", env=env)
     assert result.returncode == 0, result.describe()
     stats = json.loads(result.stdout)
     assert stats == {
@@ -807,12 +756,10 @@ async def test_inbox_stats_counts_completions_and_outbox_per_handler(
 
 
 @pytest.mark.timeout(180)
-async def test_demo_passes_its_ledger_check(amqp: str, mongo_uri: str, failpoints: Faults) -> None:
+async def test_demo_passes_its_ledger_check(env: dict[str, str], failpoints: Faults) -> None:
     # The demo injects transient failures with a failCommand failpoint on this server; the
     # `failpoints` fixture switches it off afterwards whatever happens.
-    result = await run_cli(
-        "demo", "--orders", "40", "--timeout", "120", "--seed", "2", env=cli_env(amqp, mongo_uri), timeout=150
-    )
+    result = await run_cli("demo", "--orders", "40", "--timeout", "120", "--seed", "2", env=env, timeout=150)
     assert result.returncode == 0, result.describe()
     (ledger,) = [line for line in result.stdout.splitlines() if "ledger check" in line]
     assert "PASS" in ledger, result.describe()
@@ -843,8 +790,8 @@ def closed_port(url: str) -> str:
     return str(URL(url).with_port(1))
 
 
-async def test_dlq_list_of_a_missing_queue_is_a_usage_error(amqp: str, mongo_uri: str) -> None:
-    result = await run_cli("dlq", "list", "lt.no-such-queue-here", env=cli_env(amqp, mongo_uri))
+async def test_dlq_list_of_a_missing_queue_is_a_usage_error(env: dict[str, str]) -> None:
+    result = await run_cli("dlq", "list", "lt.no-such-queue-here", env=env)
     assert result.returncode == 2, result.describe()
     assert "queue 'lt.no-such-queue-here.dlq' does not exist" in one_error_line(result)
 
@@ -856,8 +803,10 @@ async def test_dlq_list_of_a_missing_queue_is_a_usage_error(amqp: str, mongo_uri
         ("dlq", "replay", "orders", "--all"),
     ],
 )
-async def test_bad_credentials_are_refused_not_unreachable(amqp: str, mongo_uri: str, args: tuple[str, ...]) -> None:
-    result = await run_cli(*args, "--amqp-url", with_password(amqp), env=cli_env(amqp, mongo_uri))
+async def test_bad_credentials_are_refused_not_unreachable(
+    env: dict[str, str], amqp: str, args: tuple[str, ...]
+) -> None:
+    result = await run_cli(*args, "--amqp-url", with_password(amqp), env=env)
     assert result.returncode == 3, result.describe()
     line = one_error_line(result)
     assert "refused the login" in line
@@ -872,9 +821,9 @@ async def test_bad_credentials_are_refused_not_unreachable(amqp: str, mongo_uri:
         ("dlq", "replay", "orders", "--event-id", "0f8fad5b-d9cb-469f-a165-70867728950e"),
     ],
 )
-async def test_a_closed_port_is_unreachable_in_one_line(amqp: str, mongo_uri: str, args: tuple[str, ...]) -> None:
+async def test_a_closed_port_is_unreachable_in_one_line(env: dict[str, str], amqp: str, args: tuple[str, ...]) -> None:
     url = closed_port(with_password(amqp))
-    result = await run_cli(*args, "--amqp-url", url, env=cli_env(amqp, mongo_uri))
+    result = await run_cli(*args, "--amqp-url", url, env=env)
     assert result.returncode == 3, result.describe()
     line = one_error_line(result)
     assert "RabbitMQ is not reachable" in line
@@ -882,18 +831,18 @@ async def test_a_closed_port_is_unreachable_in_one_line(amqp: str, mongo_uri: st
     assert SECRET not in result.stderr + result.stdout
 
 
-async def test_a_missing_virtual_host_is_named(amqp: str, mongo_uri: str) -> None:
+async def test_a_missing_virtual_host_is_named(env: dict[str, str], amqp: str) -> None:
     url = str(URL(amqp).with_path("/no-such-vhost"))
-    result = await run_cli("dlq", "list", "orders", "--amqp-url", url, env=cli_env(amqp, mongo_uri))
+    result = await run_cli("dlq", "list", "orders", "--amqp-url", url, env=env)
     assert result.returncode == 3, result.describe()
     line = one_error_line(result)
     assert "virtual host 'no-such-vhost'" in line
     assert "object at 0x" not in line
 
 
-async def test_inbox_stats_with_mongodb_unreachable(amqp: str, mongo_uri: str) -> None:
+async def test_inbox_stats_with_mongodb_unreachable(env: dict[str, str]) -> None:
     uri = f"mongodb://app:{urllib.parse.quote_plus(SECRET)}@127.0.0.1:1/?serverSelectionTimeoutMS=300"
-    result = await run_cli("inbox", "stats", "shop", "--mongo-uri", uri, env=cli_env(amqp, mongo_uri))
+    result = await run_cli("inbox", "stats", "shop", "--mongo-uri", uri, env=env)
     assert result.returncode == 3, result.describe()
     line = one_error_line(result)
     assert "MongoDB is not reachable at mongodb://app:***@127.0.0.1:1/" in line
@@ -901,15 +850,15 @@ async def test_inbox_stats_with_mongodb_unreachable(amqp: str, mongo_uri: str) -
     assert urllib.parse.quote_plus(SECRET) not in result.stderr + result.stdout
 
 
-async def test_inbox_stats_with_an_invalid_mongodb_uri_is_a_usage_error(amqp: str, mongo_uri: str) -> None:
+async def test_inbox_stats_with_an_invalid_mongodb_uri_is_a_usage_error(env: dict[str, str]) -> None:
     uri = f"mongodb://app:{SECRET}@127.0.0.1:1/"  # PyMongo wants the '@' in a password escaped
-    result = await run_cli("inbox", "stats", "shop", "--mongo-uri", uri, env=cli_env(amqp, mongo_uri))
+    result = await run_cli("inbox", "stats", "shop", "--mongo-uri", uri, env=env)
     assert result.returncode == 2, result.describe()
     assert "the MongoDB URI mongodb://app:***@127.0.0.1:1/ is not valid" in one_error_line(result)
     assert SECRET not in result.stderr + result.stdout
 
 
-async def test_demo_with_mongodb_unreachable_says_which_and_how(amqp: str, mongo_uri: str) -> None:
+async def test_demo_with_mongodb_unreachable_says_which_and_how(amqp: str) -> None:
     unreachable = "mongodb://127.0.0.1:1/?serverSelectionTimeoutMS=300"
     result = await run_cli("demo", "--orders", "10", env=cli_env(amqp, unreachable), timeout=60)
     assert result.returncode == 3, result.describe()
@@ -921,7 +870,7 @@ async def test_demo_with_mongodb_unreachable_says_which_and_how(amqp: str, mongo
 
 
 async def test_run_with_an_unreachable_broker_exits_3_without_the_password(
-    amqp: str, mongo_uri: str, tmp_path: Path
+    env: dict[str, str], amqp: str, tmp_path: Path
 ) -> None:
     # A password holding '@': shown as *** whole, never in part.
     url = closed_port(with_password(amqp, "P@ssw0rd"))
@@ -935,16 +884,16 @@ async def test_run_with_an_unreachable_broker_exits_3_without_the_password(
         consumer.include(handler)
     """
     (tmp_path / "unreachable.py").write_text(textwrap.dedent(source))
-    result = await run_cli("run", "unreachable:consumer", env=cli_env(amqp, mongo_uri), cwd=tmp_path)
+    result = await run_cli("run", "unreachable:consumer", env=env, cwd=tmp_path)
     assert result.returncode == 3, result.describe()
     line = one_error_line(result)
     assert "RabbitMQ is not reachable at amqp://guest:***@127.0.0.1:1/" in line
     assert "ssw0rd" not in result.stderr + result.stdout
 
 
-async def test_debug_shows_the_traceback_without_locals_or_the_password(amqp: str, mongo_uri: str) -> None:
+async def test_debug_shows_the_traceback_without_locals_or_the_password(env: dict[str, str], amqp: str) -> None:
     url = closed_port(with_password(amqp))
-    result = await run_cli("--debug", "dlq", "list", "orders", "--amqp-url", url, env=cli_env(amqp, mongo_uri))
+    result = await run_cli("--debug", "dlq", "list", "orders", "--amqp-url", url, env=env)
     assert result.returncode == 3, result.describe()
     assert "Traceback" in result.stderr
     assert "locals" not in result.stderr  # rich's locals panel
@@ -987,54 +936,41 @@ async def fill_dlq(channel: aio_pika.abc.AbstractChannel, dlq: str, *headers: di
     ],
 )
 async def test_dlq_replay_refuses_a_bad_selection_and_moves_nothing(
-    amqp: str,
-    mongo_uri: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    args: tuple[str, ...],
-    says: str,
+    env: dict[str, str], broker: Broker, args: tuple[str, ...], says: str
 ) -> None:
-    q = names.queue("dlqsel")
-    await amqp_channel.declare_queue(q, durable=True)
-    await amqp_channel.declare_queue(f"{q}.dlq", durable=True)
-    await fill_dlq(amqp_channel, f"{q}.dlq", {}, {}, {})
-    result = await run_cli("dlq", "replay", q, *args, env=cli_env(amqp, mongo_uri))
+    q = broker.queue("dlqsel")
+    await broker.channel.declare_queue(q, durable=True)
+    await broker.channel.declare_queue(f"{q}.dlq", durable=True)
+    await fill_dlq(broker.channel, f"{q}.dlq", {}, {}, {})
+    result = await run_cli("dlq", "replay", q, *args, env=env)
     assert result.returncode == 2, result.describe()
     assert says in one_error_line(result)
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 3
-    assert await queue_depth(amqp_channel, q) == 0
+    assert await broker.depth(f"{q}.dlq") == 3
+    assert await broker.depth(q) == 0
 
 
-async def test_dlq_list_prints_whole_event_ids_and_the_total(
-    amqp: str, mongo_uri: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("dlqwide")
-    await amqp_channel.declare_queue(f"{q}.dlq", durable=True)
-    ids = await fill_dlq(amqp_channel, f"{q}.dlq", {}, {}, {})
-    env = {**cli_env(amqp, mongo_uri), "COLUMNS": "80"}  # a narrow terminal
-    result = await run_cli("dlq", "list", q, "--limit", "2", env=env)
+async def test_dlq_list_prints_whole_event_ids_and_the_total(env: dict[str, str], broker: Broker) -> None:
+    q = broker.queue("dlqwide")
+    await broker.channel.declare_queue(f"{q}.dlq", durable=True)
+    ids = await fill_dlq(broker.channel, f"{q}.dlq", {}, {}, {})
+    narrow = {**env, "COLUMNS": "80"}  # a narrow terminal
+    result = await run_cli("dlq", "list", q, "--limit", "2", env=narrow)
     assert result.returncode == 0, result.describe()
     assert ids[0] in result.stdout
     assert ids[1] in result.stdout
     assert ids[2] not in result.stdout  # over the limit
     assert f"{q}.dlq: 3 message(s), 2 listed" in " ".join(result.stdout.split())
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 3
+    assert await broker.depth(f"{q}.dlq") == 3
 
 
-async def test_dlq_list_tells_broker_dead_letters_from_library_copies(
-    amqp: str,
-    mongo_uri: str,
-    names: BrokerNames,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-) -> None:
-    q = names.queue("dlqorigin")
+async def test_dlq_list_tells_broker_dead_letters_from_library_copies(env: dict[str, str], broker: Broker) -> None:
+    q = broker.queue("dlqorigin")
 
     @queue(q, version=1, content="json")
     async def handle(item: Json[Item]) -> None:
         raise QueueHandlerError.permanent("ITEM_REJECTED", "rejected by the handler")
 
-    consumer = Consumer(amqp_url=amqp, name="origin")
+    consumer = Consumer(amqp_url=broker.url, name="origin")
     consumer.configure_queue(q, max_body=64, retry=RetryPolicy(max_retries=0, delays=()))
     consumer.include(handle)
     forged = {
@@ -1047,17 +983,17 @@ async def test_dlq_list_tells_broker_dead_letters_from_library_copies(
     rejected = str(uuid.uuid4())
     async with running(consumer) as managed:
         # Over max_body: rejected, the broker dead-letters the original with its forged header.
-        await amqp_channel.default_exchange.publish(
+        await broker.channel.default_exchange.publish(
             aio_pika.Message(b"{" + b" " * 100 + b"}", headers={"x-lily-event-id": oversize, **forged}),
             routing_key=q,
         )
         # Valid, refused by the handler: the library copy (the forged code is replaced).
-        await amqp_channel.default_exchange.publish(
+        await broker.channel.default_exchange.publish(
             aio_pika.Message(b'{"n": 1}', headers={"x-lily-event-id": rejected, **forged}), routing_key=q
         )
         await eventually(lambda: len(outcomes(managed)) == 2, what="both deliveries settled", interval=0.05)
-    assert await wait_for_depth(amqp_channel, f"{q}.dlq", 2) == 2
-    table = await run_cli("dlq", "list", q, env=cli_env(amqp, mongo_uri))
+    assert await broker.wait_for_depth(f"{q}.dlq", 2) == 2
+    table = await run_cli("dlq", "list", q, env=env)
     assert table.returncode == 0, table.describe()
     rows = {line.split("│")[1].strip(): line for line in table.stdout.splitlines() if line.count("│") > 2}
     assert "broker-native (rejected); x-lily-failure-code FORGED_BY_PRODUCER" in rows[oversize]

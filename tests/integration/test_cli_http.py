@@ -14,12 +14,11 @@ import socket
 import textwrap
 from pathlib import Path
 
-import aio_pika.abc
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.test_cli import cli_env, cli_process, finish, publish_one
-from tests.support import BrokerNames, eventually
+from tests.integration.test_cli import cli_env, cli_process, finish
+from tests.support import Broker, eventually
 
 
 def free_port() -> int:
@@ -69,17 +68,13 @@ async def get(session: aiohttp.ClientSession, url: str) -> tuple[int, str] | Non
 
 
 async def test_run_serves_readiness_health_and_metrics_across_start_and_shutdown(
-    amqp: str,
-    mongo_uri: str,
-    names: BrokerNames,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    tmp_path: Path,
+    broker: Broker, mongo_uri: str, tmp_path: Path
 ) -> None:
-    q = names.queue("http")
+    q = broker.queue("http")
     write_slow_service(tmp_path, q)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = cli_env(amqp, mongo_uri)
+    env = cli_env(broker.url, mongo_uri)
     args = ("run", "slowsvc:consumer", "--http-port", str(port), "--log-level", "debug", "--log-format", "json")
     statuses: list[int] = []
     async with aiohttp.ClientSession() as session, cli_process(*args, env=env, cwd=tmp_path) as process:
@@ -96,8 +91,8 @@ async def test_run_serves_readiness_health_and_metrics_across_start_and_shutdown
         assert await get(session, f"{base}/healthz") == (200, "ok\n")
         await eventually(lambda: ready_is(200), timeout=20, what="/readyz 200 once running", interval=0.05)
 
-        await publish_one(amqp, q, {"sleep": 0})
-        await publish_one(amqp, q, {"sleep": 3})
+        await broker.publish(q, {"sleep": 0})
+        await broker.publish(q, {"sleep": 3})
 
         async def metrics_show_one_acked() -> bool:
             answer = await get(session, f"{base}/metrics")
@@ -134,17 +129,15 @@ async def test_run_serves_readiness_health_and_metrics_across_start_and_shutdown
     assert "guest:guest" not in result.stderr
 
 
-async def test_run_http_port_in_use_fails_clearly(
-    amqp: str, mongo_uri: str, names: BrokerNames, tmp_path: Path
-) -> None:
-    q = names.queue("busy")
+async def test_run_http_port_in_use_fails_clearly(broker: Broker, mongo_uri: str, tmp_path: Path) -> None:
+    q = broker.queue("busy")
     write_slow_service(tmp_path, q)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         async with cli_process(
-            "run", "slowsvc:consumer", "--http-port", str(port), env=cli_env(amqp, mongo_uri), cwd=tmp_path
+            "run", "slowsvc:consumer", "--http-port", str(port), env=cli_env(broker.url, mongo_uri), cwd=tmp_path
         ) as process:
             result = await finish(process, ["lily-mongo", "run"], timeout=20)
     assert result.returncode == 2, result.describe()
