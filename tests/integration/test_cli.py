@@ -22,7 +22,7 @@ import sys
 import textwrap
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -228,20 +228,41 @@ def write_service(directory: Path, q: str, log: Path, *, force_timeout: float = 
     (directory / "svcmod.py").write_text(textwrap.dedent(source))
 
 
-@contextlib.asynccontextmanager
-async def running_service(
-    tmp_path: Path,
-    q: str,
-    env: dict[str, str],
-    connection: aio_pika.abc.AbstractConnection,
-    *,
-    force_timeout: float = 5.0,
-) -> AsyncIterator[tuple[asyncio.subprocess.Process, Path]]:
-    log = tmp_path / "events.log"
-    write_service(tmp_path, q, log, force_timeout=force_timeout)
-    async with cli_process("run", "svcmod:consumer", env=env, cwd=tmp_path) as process:
-        await wait_for_consumer(connection, q, process)
-        yield process, log
+@dataclasses.dataclass(frozen=True)
+class Service:
+    """``lily-mongo run svcmod:consumer`` consuming ``q``; its handler writes ``log``."""
+
+    q: str
+    process: asyncio.subprocess.Process
+    log: Path
+
+
+RunningService = Callable[..., contextlib.AbstractAsyncContextManager[Service]]
+
+
+@pytest.fixture
+def running_service(env: dict[str, str], broker: Broker, tmp_path: Path) -> RunningService:
+    """Runs the service module of :func:`write_service` on a fresh queue (named after ``base``) until
+    the block ends, once its consumer is attached."""
+
+    @contextlib.asynccontextmanager
+    async def run(base: str, *, force_timeout: float = 5.0) -> AsyncIterator[Service]:
+        q, log = broker.queue(base), tmp_path / "events.log"
+        write_service(tmp_path, q, log, force_timeout=force_timeout)
+        async with cli_process("run", "svcmod:consumer", env=env, cwd=tmp_path) as process:
+            await wait_for_consumer(broker.connection, q, process)
+            yield Service(q, process, log)
+
+    return run
+
+
+async def force_during(service: Service, event: uuid.UUID) -> Completed:
+    """Once the service's handler runs ``event``: SIGINT, and a second one that forces; the command's result."""
+    await wait_for_line(service.log, f"start {event}")
+    service.process.send_signal(signal.SIGINT)
+    await asyncio.sleep(0.05)
+    service.process.send_signal(signal.SIGINT)
+    return await finish(service.process, ["lily-mongo", "run"], timeout=20)
 
 
 @pytest.fixture
@@ -253,11 +274,9 @@ def env(amqp: str, mongo_uri: str) -> dict[str, str]:
 # -- run --------------------------------------------------------------------------------------------
 
 
-async def test_run_consumes_and_sigterm_shuts_down_gracefully(
-    env: dict[str, str], broker: Broker, tmp_path: Path
-) -> None:
-    q = broker.queue("run")
-    async with running_service(tmp_path, q, env, broker.connection) as (process, log):
+async def test_run_consumes_and_sigterm_shuts_down_gracefully(broker: Broker, running_service: RunningService) -> None:
+    async with running_service("run") as service:
+        q, process, log = service.q, service.process, service.log
         event = await broker.publish(q, {"n": 1})
         await wait_for_line(log, f"done {event}")
         process.send_signal(signal.SIGTERM)
@@ -273,16 +292,12 @@ async def test_run_consumes_and_sigterm_shuts_down_gracefully(
 
 
 async def test_run_second_signal_forces_and_requeues_the_running_delivery(
-    env: dict[str, str], broker: Broker, tmp_path: Path
+    broker: Broker, running_service: RunningService
 ) -> None:
-    q = broker.queue("force")
-    async with running_service(tmp_path, q, env, broker.connection) as (process, log):
+    async with running_service("force") as service:
+        q, log = service.q, service.log
         event = await broker.publish(q, {"sleep": 60})
-        await wait_for_line(log, f"start {event}")
-        process.send_signal(signal.SIGINT)
-        await asyncio.sleep(0.05)
-        process.send_signal(signal.SIGINT)
-        result = await finish(process, ["lily-mongo", "run"], timeout=20)
+        result = await force_during(service, event)
     assert "(forced)" in result.stdout, result.describe()
     assert "shutdown" in result.stdout.splitlines()[0], result.describe()
     assert f"cancelled {event}" in log_lines(log)
@@ -297,30 +312,21 @@ async def test_run_second_signal_forces_and_requeues_the_running_delivery(
     assert headers.get("x-retry-count", 0) == 0
 
 
-async def test_run_forced_shutdown_exits_with_status_1(env: dict[str, str], broker: Broker, tmp_path: Path) -> None:
-    q = broker.queue("forcerc")
-    async with running_service(tmp_path, q, env, broker.connection) as (process, log):
-        event = await broker.publish(q, {"sleep": 60})
-        await wait_for_line(log, f"start {event}")
-        process.send_signal(signal.SIGINT)
-        await asyncio.sleep(0.05)
-        process.send_signal(signal.SIGINT)
-        result = await finish(process, ["lily-mongo", "run"], timeout=20)
+async def test_run_forced_shutdown_exits_with_status_1(broker: Broker, running_service: RunningService) -> None:
+    async with running_service("forcerc") as service:
+        event = await broker.publish(service.q, {"sleep": 60})
+        result = await force_during(service, event)
     assert "(forced)" in result.stdout, result.describe()
     assert result.returncode == 1, result.describe()
 
 
 async def test_run_forced_shutdown_with_an_uncooperative_handler_reports_unresolved(
-    env: dict[str, str], broker: Broker, tmp_path: Path
+    broker: Broker, running_service: RunningService
 ) -> None:
-    q = broker.queue("stubborn")
-    async with running_service(tmp_path, q, env, broker.connection, force_timeout=0.5) as (process, log):
+    async with running_service("stubborn", force_timeout=0.5) as service:
+        q = service.q
         event = await broker.publish(q, {"sleep": 60, "stubborn": True})
-        await wait_for_line(log, f"start {event}")
-        process.send_signal(signal.SIGINT)
-        await asyncio.sleep(0.05)
-        process.send_signal(signal.SIGINT)
-        result = await finish(process, ["lily-mongo", "run"], timeout=20)
+        result = await force_during(service, event)
     assert result.returncode == 1, result.describe()
     first = result.stdout.splitlines()[0]
     assert "shutdown FAILED (forced)" in first, result.describe()
