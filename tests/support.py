@@ -14,7 +14,7 @@ import struct
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import aio_pika
 import aio_pika.abc
@@ -229,6 +229,21 @@ class Broker:
         """Declare a plain durable queue (a downstream destination); return its name."""
         await self.channel.declare_queue(name, durable=True)
         return name
+
+
+class OneEvent(NamedTuple):
+    """A fresh queue, the id of the handler a test links to it, a new event id and that event's inbox record key."""
+
+    q: str
+    handler_id: str
+    event: uuid.UUID
+    key: str
+
+
+def one_event(broker: Broker, base: str) -> OneEvent:
+    q = broker.queue(base)
+    handler_id, event = f"{q}/{base}", uuid.uuid4()
+    return OneEvent(q, handler_id, event, f"{handler_id}|{event}")
 
 
 def accepting(q: str) -> Callable[..., Awaitable[None]]:

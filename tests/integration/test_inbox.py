@@ -37,7 +37,7 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.testing import Faults
-from tests.support import Broker, MongoDB, eventually, outcomes, running
+from tests.support import Broker, MongoDB, eventually, one_event, outcomes, running
 
 Handler = Callable[..., Awaitable[None]]
 
@@ -557,11 +557,8 @@ async def test_two_consumers_six_concurrent_copies_effect_once(broker: Broker, m
 
 
 async def test_held_lease_defers_until_the_bound_then_dead_letters(broker: Broker, mongodb: MongoDB) -> None:
-    q = broker.queue("held")
+    q, handler_id, event, key = one_event(broker, "held")
     calls: list[uuid.UUID] = []
-    event = uuid.uuid4()
-    handler_id = f"{q}/held"
-    key = f"{handler_id}|{event}"
     now = datetime.datetime.now(datetime.UTC)
     consumer = inbox_consumer(
         broker,
@@ -706,10 +703,7 @@ async def test_a_lease_taken_over_between_attempts_defers_at_the_next_attempt(br
     # other writers wait). Between attempts it can: the first attempt meets a transient
     # error, and during the replay's backoff (at least 1 s here) another owner takes the
     # record. The next attempt must not run the handler: deferred with LEASE_LOST.
-    q = broker.queue("lost")
-    handler_id = f"{q}/lost"
-    event = uuid.uuid4()
-    key = f"{handler_id}|{event}"
+    q, handler_id, event, key = one_event(broker, "lost")
     calls: list[uuid.UUID] = []
     records = mongodb.db[RECORDS]
     thieves: list[asyncio.Task[Any]] = []

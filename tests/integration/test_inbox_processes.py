@@ -14,16 +14,12 @@ import json
 import os
 import signal
 import sys
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import aio_pika.abc
-from pymongo import AsyncMongoClient
-
-from lily_mongo import Consumer, EventId, InboxOptions, MongoScope, Publisher, RetryPolicy, queue
-from tests.support import BrokerNames, eventually, outcomes, queue_depth, running, wait_for_depth
+from lily_mongo import Consumer, EventId, InboxOptions, MongoScope, RetryPolicy, queue
+from tests.support import Broker, MongoDB, eventually, one_event, outcomes, running
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "workers" / "inbox_worker.py"
@@ -106,18 +102,13 @@ async def workers_in(directory: Path) -> AsyncIterator[Workers]:
         await workers.close()
 
 
-async def publish(amqp: str, q: str, event_id: uuid.UUID) -> None:
-    async with Publisher(amqp) as publisher:
-        await publisher.publish_json(q, {"n": 1}, version=1, event_id=event_id)
-
-
 # -- takeover after a replica dies ----------------------------------------------------------------
 
 
-def worker_args(amqp: str, mongo_uri: str, database: str, q: str, handler_id: str, *, lease_seconds: str) -> list[str]:
+def worker_args(broker: Broker, mongodb: MongoDB, q: str, handler_id: str, *, lease_seconds: str) -> list[str]:
     """The arguments every worker of one test shares."""
     return [
-        *("--mongo-uri", mongo_uri, "--amqp", amqp, "--database", database, "--queue", q),
+        *("--mongo-uri", mongodb.uri, "--amqp", broker.url, "--database", mongodb.name, "--queue", q),
         *("--handler-id", handler_id, "--lease-seconds", lease_seconds),
     ]
 
@@ -141,26 +132,17 @@ async def replica_b_completes(
 
 
 async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
-    amqp: str,
-    mongo_uri: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    tmp_path: Path,
+    broker: Broker, mongodb: MongoDB, tmp_path: Path
 ) -> None:
-    q = names.queue("takeover")
-    handler_id = f"{q}/takeover"
-    event = uuid.uuid4()
-    key = f"{handler_id}|{event}"
-    db = mongo_client[database_name]
+    q, handler_id, event, key = one_event(broker, "takeover")
+    db = mongodb.db
     records = db[RECORDS]
-    common = worker_args(amqp, mongo_uri, database_name, q, handler_id, lease_seconds="1.0")
+    common = worker_args(broker, mongodb, q, handler_id, lease_seconds="1.0")
     async with workers_in(tmp_path) as workers:
         # A's copy takes the lease claim, as a redelivered copy would: the lease is what this is about.
         a = await workers.start("replica-a", *common, "--slow", "60", "--claim-in-transaction", "off")
         await workers.wait_for_record("replica-a", "ready")
-        await publish(amqp, q, event)
+        await broker.publish(q, event_id=event)
         started = await workers.wait_for_record("replica-a", "handler")
         assert started["handler"] == str(event)
 
@@ -190,32 +172,23 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
     assert completion["owner"].startswith("replica-b:")
     assert completion["token"] == 2  # the same record, re-acquired with the next fencing token
     assert (completion["state"], completion["acquisitions"]) == ("completed", 2)
-    assert await wait_for_depth(amqp_channel, q, 0) == 0  # B is gone: anything unacked would be back
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
+    assert await broker.wait_for_depth(q, 0) == 0  # B is gone: anything unacked would be back
+    assert await broker.depth(f"{q}.dlq") == 0
 
 
 async def test_a_replica_killed_while_claiming_in_its_transaction_leaves_nothing_behind(
-    amqp: str,
-    mongo_uri: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    tmp_path: Path,
+    broker: Broker, mongodb: MongoDB, tmp_path: Path
 ) -> None:
     # A first-time copy's record is written by its transaction: killed mid-handler, A leaves
     # no record at all (its transaction never committed). The redelivered copy takes the lease
     # claim on B and completes the event once, with no lease expiry to wait for.
-    q = names.queue("killed")
-    handler_id = f"{q}/killed"
-    event = uuid.uuid4()
-    key = f"{handler_id}|{event}"
-    db = mongo_client[database_name]
-    common = worker_args(amqp, mongo_uri, database_name, q, handler_id, lease_seconds="30")
+    q, handler_id, event, key = one_event(broker, "killed")
+    db = mongodb.db
+    common = worker_args(broker, mongodb, q, handler_id, lease_seconds="30")
     async with workers_in(tmp_path) as workers:
         a = await workers.start("replica-a", *common, "--slow", "60")
         await workers.wait_for_record("replica-a", "ready")
-        await publish(amqp, q, event)
+        await broker.publish(q, event_id=event)
         started = await workers.wait_for_record("replica-a", "handler")
         assert started["handler"] == str(event)
         a.send_signal(signal.SIGKILL)
@@ -230,29 +203,22 @@ async def test_a_replica_killed_while_claiming_in_its_transaction_leaves_nothing
     [completion] = await db[RECORDS].find({"_id": key}).to_list()
     assert completion["owner"].startswith("replica-b:")
     assert (completion["state"], completion["token"], completion["acquisitions"]) == ("completed", 1, 1)
-    assert await wait_for_depth(amqp_channel, q, 0) == 0
+    assert await broker.wait_for_depth(q, 0) == 0
 
 
 # -- long handlers: the transaction holds the record --------------------------------------------
 
 
 async def test_no_renewal_touches_the_record_while_a_long_handler_transaction_holds_it(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    broker: Broker, mongodb: MongoDB
 ) -> None:
     # A 2.5 s handler with a 1 s lease and a heartbeat every 0.1 s. The transaction's first
     # write is the completion, so it holds the record from the start; a renewal now would
     # wait for it on MongoDB, and on the emulator any write between the transaction's first
     # operation and its commit fails the commit. So: the committed record never changes
     # while the handler runs, and the commit succeeds at the first try.
-    q = names.queue("long")
-    handler_id = f"{q}/long"
-    event = uuid.uuid4()
-    key = f"{handler_id}|{event}"
-    db = mongo_client[database_name]
+    q, handler_id, event, key = one_event(broker, "long")
+    db = mongodb.db
     # The lease path (a first-time copy claiming in its transaction has no lease to renew).
     options = InboxOptions(lease_seconds=1.0, heartbeat_seconds=0.1, claim_in_transaction=False)
     loop = asyncio.get_running_loop()
@@ -264,12 +230,13 @@ async def test_no_renewal_touches_the_record_while_a_long_handler_transaction_ho
         await asyncio.sleep(2.5)
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
 
-    consumer = Consumer(amqp_url=amqp, mongo_client=mongo_client, database=database_name, name="long", inbox=options)
-    consumer.configure_queue(q, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=1, delays=(0.2,)))
-    consumer.include(slow)
+    retry = RetryPolicy(max_retries=1, delays=(0.2,))
+    consumer = broker.consumer(
+        q, slow, name="long", mongodb=mongodb, inbox=options, concurrency=1, prefetch=1, retry=retry
+    )
     samples: list[dict[str, Any]] = []
     async with running(consumer) as managed:
-        await publish(amqp, q, event)
+        await broker.publish(q, event_id=event)
         await eventually(lambda: bool(started), what="the handler to start")
         while not outcomes(managed):
             record = await db[RECORDS].find_one({"_id": key})
@@ -287,12 +254,7 @@ async def test_no_renewal_touches_the_record_while_a_long_handler_transaction_ho
 
 
 async def test_a_competing_copy_during_a_long_handler_never_applies_the_event_twice(
-    amqp: str,
-    mongo_uri: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    broker: Broker, mongodb: MongoDB
 ) -> None:
     # Replica A runs a 3 s handler with a 1 s lease; replica B gets a second copy meanwhile.
     # On MongoDB, B's claim waits for A's transaction, then finds the event completed. The
@@ -300,11 +262,8 @@ async def test_a_competing_copy_during_a_long_handler_never_applies_the_event_tw
     # B takes the record over; A's commit then fails (the emulator fails a commit after any
     # concurrent write) and its replay finds the lease gone. Either way the event is applied
     # exactly once and every delivery ends acked, duplicate or deferred.
-    q = names.queue("compete")
-    handler_id = f"{q}/slow"
-    event = uuid.uuid4()
-    key = f"{handler_id}|{event}"
-    db = mongo_client[database_name]
+    q, handler_id, event, key = one_event(broker, "compete")
+    db = mongodb.db
     options = InboxOptions(lease_seconds=1.0, replay_budget=5)
     calls_a: list[str] = []
 
@@ -319,30 +278,24 @@ async def test_a_competing_copy_during_a_long_handler_never_applies_the_event_tw
     async def competitor(event_id: EventId, mongo: MongoScope) -> None:
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id), "by": "b"}, session=mongo.session)
 
-    def consumer(client: AsyncMongoClient[Any], name: str, handler: Callable[..., Awaitable[None]]) -> Consumer:
-        c = Consumer(amqp_url=amqp, mongo_client=client, database=database_name, name=name, inbox=options)
-        # prefetch 1: while A works, the broker gives the second copy to B.
-        c.configure_queue(
-            q, concurrency=1, prefetch=1, max_deferrals=50, retry=RetryPolicy(max_retries=1, delays=(0.2,))
-        )
-        c.include(handler)
-        return c
+    # prefetch 1: while A works, the broker gives the second copy to B.
+    settings = {"inbox": options, "concurrency": 1, "prefetch": 1, "max_deferrals": 50}
 
-    other: AsyncMongoClient[Any] = AsyncMongoClient(mongo_uri, serverSelectionTimeoutMS=10_000)
-    try:
-        async with running(consumer(mongo_client, "race-a", slow)) as a:
-            await publish(amqp, q, event)
-            await eventually(lambda: len(calls_a) == 1, what="A's handler to start")
-            async with running(consumer(other, "race-b", competitor)) as b:
-                await publish(amqp, q, event)
+    def consumer(replica: MongoDB, name: str, handler: Callable[..., Awaitable[None]]) -> Consumer:
+        retry = RetryPolicy(max_retries=1, delays=(0.2,))
+        return broker.consumer(q, handler, name=name, mongodb=replica, retry=retry, **settings)
 
-                async def both_copies_done() -> bool:
-                    done = [o for o in outcomes(a) + outcomes(b) if o != "deferred"]
-                    return len(done) == 2 and await wait_for_depth(amqp_channel, q, 0, timeout=0.1) == 0
+    async with mongodb.second_client() as other, running(consumer(mongodb, "race-a", slow)) as a:
+        await broker.publish(q, event_id=event)
+        await eventually(lambda: len(calls_a) == 1, what="A's handler to start")
+        async with running(consumer(other, "race-b", competitor)) as b:
+            await broker.publish(q, event_id=event)
 
-                await eventually(both_copies_done, timeout=20.0, what="both copies to end", interval=0.1)
-    finally:
-        await other.close()
+            async def both_copies_done() -> bool:
+                done = [o for o in outcomes(a) + outcomes(b) if o != "deferred"]
+                return len(done) == 2 and await broker.wait_for_depth(q, 0, timeout=0.1) == 0
+
+            await eventually(both_copies_done, timeout=20.0, what="both copies to end", interval=0.1)
 
     ends = collections.Counter(o for o in outcomes(a) + outcomes(b) if o != "deferred")
     assert ends == {"acked": 1, "duplicate": 1}, (outcomes(a), outcomes(b))
@@ -357,4 +310,4 @@ async def test_a_competing_copy_during_a_long_handler_never_applies_the_event_tw
     [record] = await db[RECORDS].find({"_id": key}).to_list()
     assert record["state"] == "completed"
     assert record["owner"].startswith(f"race-{effects[0]['by']}:")  # the completion is the effect's author
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
+    assert await broker.depth(f"{q}.dlq") == 0
