@@ -24,7 +24,6 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from pymongo import AsyncMongoClient
 from pymongo.errors import OperationFailure
 
 from lily_mongo import (
@@ -42,10 +41,11 @@ from lily_mongo import (
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.telemetry import Telemetry
 from lily_mongo.testing import Faults
-from tests.support import BrokerNames, drain, eventually, running, wait_for_depth, wait_observations
+from tests.support import Broker, MongoDB, accepting, eventually, running, wait_observations
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
+ONE_AT_A_TIME = {"concurrency": 1, "prefetch": 2}
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
 
 
@@ -77,16 +77,20 @@ def telemetry(sdk: Sdk) -> Telemetry:
     return Telemetry(tracer_provider=sdk.tracer_provider, meter_provider=sdk.meter_provider)
 
 
-def consumer_for(amqp: str, q: str, *handlers: Any, telemetry: Telemetry | bool, **options: Any) -> Consumer:
-    consumer = Consumer(amqp_url=amqp, name="telemetry-test", telemetry=telemetry, graceful_timeout=10.0)
-    options.setdefault("retry", RetryPolicy(max_retries=0, delays=()))
-    consumer.configure_queue(q, concurrency=2, prefetch=4, **options)
-    consumer.include(*handlers)
-    return consumer
+def consumer_for(broker: Broker, q: str, handler: Any, *, telemetry: Telemetry | bool, **options: Any) -> Consumer:
+    """A consumer of ``q`` reporting to ``telemetry`` (two permits, no retries unless ``options`` say)."""
+    defaults = {
+        "name": "telemetry-test",
+        "concurrency": 2,
+        "prefetch": 4,
+        "retry": RetryPolicy(max_retries=0, delays=()),
+    }
+    return broker.consumer(q, handler, telemetry=telemetry, graceful_timeout=10.0, **(defaults | options))
 
 
-async def publish(amqp: str, q: str, payload: Any, **options: Any) -> uuid.UUID:
-    async with Publisher(amqp, telemetry=False) as publisher:
+async def publish(broker: Broker, q: str, payload: Any, **options: Any) -> uuid.UUID:
+    """Publish from a publisher without telemetry: the only spans are the consumer's."""
+    async with Publisher(broker.url, telemetry=False) as publisher:
         return await publisher.publish_json(q, payload, version=1, **options)
 
 
@@ -133,18 +137,16 @@ def metric_points(sdk: Sdk, name: str, q: str) -> list[tuple[dict[str, Any], Any
 # -- the delivery span ------------------------------------------------------------------------------
 
 
-async def test_a_delivery_span_continues_the_published_trace(
-    amqp: str, names: BrokerNames, sdk: Sdk, telemetry: Telemetry
-) -> None:
-    q = names.queue("traced")
+async def test_a_delivery_span_continues_the_published_trace(broker: Broker, sdk: Sdk, telemetry: Telemetry) -> None:
+    q = broker.queue("traced")
     seen: list[trace.SpanContext] = []
 
     @queue(q, version=1, content="json", guarantee="at_least_once", handler_id=f"{q}/h")
     async def handle(payload: Json[dict[str, Any]]) -> None:
         seen.append(trace.get_current_span().get_span_context())
 
-    async with running(consumer_for(amqp, q, handle, telemetry=telemetry)) as managed:
-        event = await publish(amqp, q, {"n": 1}, traceparent=TRACEPARENT, tracestate="lily=test")
+    async with running(consumer_for(broker, q, handle, telemetry=telemetry)) as managed:
+        event = await publish(broker, q, {"n": 1}, traceparent=TRACEPARENT, tracestate="lily=test")
         await wait_observations(managed, 1)
 
     span = one(spans_of(sdk, SpanKind.CONSUMER))
@@ -170,19 +172,15 @@ async def test_a_delivery_span_continues_the_published_trace(
 
 
 async def test_absent_or_malformed_trace_context_starts_a_new_trace(
-    amqp: str, names: BrokerNames, sdk: Sdk, telemetry: Telemetry, amqp_channel: aio_pika.abc.AbstractChannel
+    broker: Broker, sdk: Sdk, telemetry: Telemetry
 ) -> None:
-    q = names.queue("fresh")
+    q = broker.queue("fresh")
 
-    @queue(q, version=1, content="json", guarantee="at_least_once")
-    async def handle(payload: Json[dict[str, Any]]) -> None:
-        pass
-
-    async with running(consumer_for(amqp, q, handle, telemetry=telemetry)) as managed:
-        await publish(amqp, q, {"n": 1})
+    async with running(consumer_for(broker, q, accepting(q), telemetry=telemetry)) as managed:
+        await publish(broker, q, {"n": 1})
         publication = prepare_publication(JSON, q, {"n": 2}, version=1)
         malformed = {**publication.headers, "traceparent": f"00-{TRACE_ID.upper()}-{PARENT_ID}-01"}
-        await amqp_channel.default_exchange.publish(aio_pika.Message(publication.body, headers=malformed), q)
+        await broker.channel.default_exchange.publish(aio_pika.Message(publication.body, headers=malformed), q)
         observed = await wait_observations(managed, 2)
     assert [o.outcome for o in observed] == ["acked", "acked"]
     spans = spans_of(sdk, SpanKind.CONSUMER)
@@ -193,16 +191,12 @@ async def test_absent_or_malformed_trace_context_starts_a_new_trace(
 
 
 async def test_a_publisher_span_is_the_parent_of_the_delivery_span(
-    amqp: str, names: BrokerNames, sdk: Sdk, telemetry: Telemetry
+    broker: Broker, sdk: Sdk, telemetry: Telemetry
 ) -> None:
-    q = names.queue("pub")
+    q = broker.queue("pub")
 
-    @queue(q, version=1, content="json", guarantee="at_least_once")
-    async def handle(payload: Json[dict[str, Any]]) -> None:
-        pass
-
-    async with running(consumer_for(amqp, q, handle, telemetry=telemetry)) as managed:
-        async with Publisher(amqp, telemetry=telemetry) as publisher:
+    async with running(consumer_for(broker, q, accepting(q), telemetry=telemetry)) as managed:
+        async with Publisher(broker.url, telemetry=telemetry) as publisher:
             event = await publisher.publish_json(q, {"n": 1}, version=1)
         await wait_observations(managed, 1)
     producer = one(spans_of(sdk, SpanKind.PRODUCER))
@@ -215,16 +209,16 @@ async def test_a_publisher_span_is_the_parent_of_the_delivery_span(
 
 
 async def test_a_dead_lettered_delivery_span_has_error_status_and_the_code(
-    amqp: str, names: BrokerNames, sdk: Sdk, telemetry: Telemetry, amqp_channel: aio_pika.abc.AbstractChannel
+    broker: Broker, sdk: Sdk, telemetry: Telemetry
 ) -> None:
-    q = names.queue("dead")
+    q = broker.queue("dead")
 
     @queue(q, version=1, content="json", guarantee="at_least_once")
     async def handle(payload: Json[dict[str, Any]]) -> None:
         raise QueueHandlerError.permanent("ORDER_INVALID", "no lines")
 
-    async with running(consumer_for(amqp, q, handle, telemetry=telemetry)) as managed:
-        await publish(amqp, q, {"n": 1}, traceparent=TRACEPARENT)
+    async with running(consumer_for(broker, q, handle, telemetry=telemetry)) as managed:
+        await publish(broker, q, {"n": 1}, traceparent=TRACEPARENT)
         observed = await wait_observations(managed, 1)
     assert observed[0].outcome == "dead_lettered"
     span = one(spans_of(sdk, SpanKind.CONSUMER))
@@ -238,22 +232,18 @@ async def test_a_dead_lettered_delivery_span_has_error_status_and_the_code(
     assert handoff.name == f"publish {q}.dlq"
     assert parent_id(handoff) == span.context.span_id
     assert dict(handoff.attributes or {})["lily.handoff"] == "dlq"
-    assert await wait_for_depth(amqp_channel, f"{q}.dlq", 1) == 1
-    (copy,) = await drain(amqp_channel, f"{q}.dlq")
+    assert await broker.wait_for_depth(f"{q}.dlq", 1) == 1
+    (copy,) = await broker.drain(f"{q}.dlq")
     assert copy.headers["traceparent"] == hex_traceparent(handoff)
     assert copy.headers["x-lily-failure-code"] == "ORDER_INVALID"
 
 
-async def test_telemetry_false_emits_no_span(amqp: str, names: BrokerNames, sdk: Sdk, telemetry: Telemetry) -> None:
-    q = names.queue("off")
+async def test_telemetry_false_emits_no_span(broker: Broker, sdk: Sdk, telemetry: Telemetry) -> None:
+    q = broker.queue("off")
 
-    @queue(q, version=1, content="json", guarantee="at_least_once")
-    async def handle(payload: Json[dict[str, Any]]) -> None:
-        pass
-
-    async with running(consumer_for(amqp, q, handle, telemetry=False)) as managed:
+    async with running(consumer_for(broker, q, accepting(q), telemetry=False)) as managed:
         assert managed.telemetry is None
-        await publish(amqp, q, {"n": 1}, traceparent=TRACEPARENT)
+        await publish(broker, q, {"n": 1}, traceparent=TRACEPARENT)
         await wait_observations(managed, 1)
     assert spans_of(sdk) == []
 
@@ -263,39 +253,24 @@ async def test_telemetry_false_emits_no_span(amqp: str, names: BrokerNames, sdk:
 
 @pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
 async def test_an_outbox_event_arrives_in_the_trace_of_the_delivery_that_wrote_it(
-    claim_in_transaction: bool,
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    sdk: Sdk,
-    telemetry: Telemetry,
-    amqp_channel: aio_pika.abc.AbstractChannel,
+    claim_in_transaction: bool, broker: Broker, mongodb: MongoDB, sdk: Sdk, telemetry: Telemetry
 ) -> None:
-    q, down = names.queue("src"), names.queue("down")
-    await amqp_channel.declare_queue(down, durable=True)
+    q, down = broker.queue("src"), await broker.declare(broker.queue("down"))
 
     @queue(q, version=1, content="json", handler_id=f"{q}/inbox")
     async def handle(order: Json[dict[str, Any]], event_id: EventId, mongo: MongoScope) -> None:
         await mongo.database["effects"].insert_one({"_id": str(event_id)}, session=mongo.session)
         await mongo.outbox.publish_json(down, {"order": order["n"]}, version=1)
 
-    consumer = Consumer(
-        amqp_url=amqp,
-        mongo_client=mongo_client,
-        database=database_name,
-        name="telemetry-outbox",
-        inbox=InboxOptions(relay=RelayOptions(poll_interval=0.1), claim_in_transaction=claim_in_transaction),
-        telemetry=telemetry,
-        graceful_timeout=10.0,
+    inbox = InboxOptions(relay=RelayOptions(poll_interval=0.1), claim_in_transaction=claim_in_transaction)
+    consumer = consumer_for(
+        broker, q, handle, telemetry=telemetry, name="telemetry-outbox", mongodb=mongodb, inbox=inbox, **ONE_AT_A_TIME
     )
-    consumer.configure_queue(q, concurrency=1, prefetch=2, retry=RetryPolicy(max_retries=0, delays=()))
-    consumer.include(handle)
     async with running(consumer) as managed:
-        await publish(amqp, q, {"n": 7}, traceparent=TRACEPARENT)
+        await publish(broker, q, {"n": 7}, traceparent=TRACEPARENT)
         await eventually(lambda: managed.snapshot().outbox_published == 1, what="the outbox record relayed")
-        assert await wait_for_depth(amqp_channel, down, 1) == 1
-    (event,) = await drain(amqp_channel, down)
+        assert await broker.wait_for_depth(down, 1) == 1
+    (event,) = await broker.drain(down)
 
     delivery = one(spans_of(sdk, SpanKind.CONSUMER))
     # A first-time copy claims inside its attempt's transaction: no claim span of its own.
@@ -320,20 +295,15 @@ async def test_an_outbox_event_arrives_in_the_trace_of_the_delivery_that_wrote_i
     # The event carries a traceparent of the same trace: the relay span's own.
     assert event.headers["traceparent"] == hex_traceparent(relay)
     assert event.headers["traceparent"].split("-")[1] == TRACE_ID
-    record = await mongo_client[database_name]["lily_outbox"].find_one({})
+    record = await mongodb.db["lily_outbox"].find_one({})
     assert record is not None
     assert record["headers"]["traceparent"] == hex_traceparent(attempt)
 
 
 async def test_an_inbox_replay_is_one_attempt_span_each_with_the_counts(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    sdk: Sdk,
-    telemetry: Telemetry,
+    broker: Broker, mongodb: MongoDB, sdk: Sdk, telemetry: Telemetry
 ) -> None:
-    q = names.queue("replay")
+    q = broker.queue("replay")
     calls: list[int] = []
 
     @queue(q, version=1, content="json")
@@ -343,13 +313,11 @@ async def test_an_inbox_replay_is_one_attempt_span_each_with_the_counts(
             raise OperationFailure("transient", code=112, details={"errorLabels": ["TransientTransactionError"]})
         await mongo.database["effects"].insert_one({"_id": str(event_id)}, session=mongo.session)
 
-    consumer = Consumer(
-        amqp_url=amqp, mongo_client=mongo_client, database=database_name, name="telemetry-replay", telemetry=telemetry
+    consumer = consumer_for(
+        broker, q, handle, telemetry=telemetry, name="telemetry-replay", mongodb=mongodb, **ONE_AT_A_TIME
     )
-    consumer.configure_queue(q, concurrency=1, prefetch=2, retry=RetryPolicy(max_retries=0, delays=()))
-    consumer.include(handle)
     async with running(consumer) as managed:
-        await publish(amqp, q, {"n": 1})
+        await publish(broker, q, {"n": 1})
         observed = await wait_observations(managed, 1)
     assert observed[0].outcome == "acked"
     assert observed[0].transient_replays == 1
@@ -366,10 +334,8 @@ async def test_an_inbox_replay_is_one_attempt_span_each_with_the_counts(
 # -- metrics ------------------------------------------------------------------------------------------
 
 
-async def test_metrics_count_each_outcome_by_queue(
-    amqp: str, names: BrokerNames, sdk: Sdk, telemetry: Telemetry, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("counted")
+async def test_metrics_count_each_outcome_by_queue(broker: Broker, sdk: Sdk, telemetry: Telemetry) -> None:
+    q = broker.queue("counted")
 
     @queue(q, version=1, content="json", guarantee="at_least_once")
     async def handle(payload: Json[dict[str, Any]]) -> None:
@@ -378,10 +344,10 @@ async def test_metrics_count_each_outcome_by_queue(
         if payload["do"] == "retry":
             raise QueueHandlerError.retryable("PAYMENT_DOWN", "gateway 503")
 
-    consumer = consumer_for(amqp, q, handle, telemetry=telemetry, retry=RetryPolicy(max_retries=1, delays=(60,)))
+    consumer = consumer_for(broker, q, handle, telemetry=telemetry, retry=RetryPolicy(max_retries=1, delays=(60,)))
     async with running(consumer) as managed:
-        events = [await publish(amqp, q, {"do": do}) for do in ("ok", "ok", "bad", "retry")]
-        await amqp_channel.default_exchange.publish(aio_pika.Message(b"{}", headers={}), q)  # poison
+        events = [await publish(broker, q, {"do": do}) for do in ("ok", "ok", "bad", "retry")]
+        await broker.channel.default_exchange.publish(aio_pika.Message(b"{}", headers={}), q)  # poison
         await wait_observations(managed, 5)
         outcomes = {attrs["lily.outcome"]: point.value for attrs, point in metric_points(sdk, "lily.deliveries", q)}
         consumed = metric_points(sdk, "messaging.client.consumed.messages", q)
@@ -413,28 +379,20 @@ async def test_metrics_count_each_outcome_by_queue(
 
 
 async def test_a_commit_reconciliation_is_a_span_under_the_commit(
-    amqp: str,
-    mongo_client: AsyncMongoClient[Any],
-    database_name: str,
-    names: BrokerNames,
-    sdk: Sdk,
-    telemetry: Telemetry,
-    failpoints: Faults,
+    broker: Broker, mongodb: MongoDB, sdk: Sdk, telemetry: Telemetry, failpoints: Faults
 ) -> None:
-    q = names.queue("reconcile")
+    q = broker.queue("reconcile")
 
     @queue(q, version=1, content="json")
     async def handle(order: Json[dict[str, Any]], event_id: EventId, mongo: MongoScope) -> None:
         await mongo.database["effects"].insert_one({"_id": str(event_id)}, session=mongo.session)
 
-    consumer = Consumer(
-        amqp_url=amqp, mongo_client=mongo_client, database=database_name, name="telemetry-rec", telemetry=telemetry
+    consumer = consumer_for(
+        broker, q, handle, telemetry=telemetry, name="telemetry-rec", mongodb=mongodb, **ONE_AT_A_TIME
     )
-    consumer.configure_queue(q, concurrency=1, prefetch=2, retry=RetryPolicy(max_retries=0, delays=()))
-    consumer.include(handle)
     async with running(consumer) as managed:
         await failpoints.fail(["commitTransaction"], code=50, labels=["UnknownTransactionCommitResult"])
-        await publish(amqp, q, {"n": 1})
+        await publish(broker, q, {"n": 1})
         observed = await wait_observations(managed, 1)
     assert observed[0].outcome == "acked"
     commit = one(spans_of(sdk, name="inbox commit"))
