@@ -26,6 +26,7 @@ from pymongo.asynchronous.database import AsyncDatabase
 from yarl import URL
 
 from lily_mongo import Consumer, Json, ManagedConsumer, Publisher, QueueOptions, TerminalObservation, queue
+from lily_mongo.plan import Guard, Middleware
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 T = TypeVar("T")
@@ -180,9 +181,12 @@ class Broker:
         *handlers: Callable[..., Awaitable[None]],
         name: str = "t",
         mongodb: MongoDB | None = None,
+        middleware: Iterable[Middleware] = (),
+        guards: Iterable[Guard] = (),
         **options: Any,
     ) -> Consumer:
-        """A consumer of ``queues`` on this broker linking ``handlers`` (with an inbox in ``mongodb``, if given).
+        """A consumer of ``queues`` on this broker linking ``handlers`` (with an inbox in ``mongodb``, if given),
+        with consumer-wide ``middleware`` (outermost first) and ``guards``.
 
         ``options`` that name a :class:`QueueOptions` field configure each queue; the others go to
         the :class:`Consumer` (``graceful_timeout``, ``inbox``, ``telemetry``, ``amqp_url``, ...).
@@ -196,6 +200,10 @@ class Broker:
         for q in (queues,) if isinstance(queues, str) else queues:
             consumer.configure_queue(q, **queue_options)
         consumer.include(*handlers)
+        for layer in middleware:
+            consumer.use(layer)
+        for guard in guards:
+            consumer.guard(guard)
         return consumer
 
     async def publish(self, q: str, payload: Any = None, **options: Any) -> uuid.UUID:

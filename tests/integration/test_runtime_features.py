@@ -44,15 +44,12 @@ from lily_mongo import (
 )
 from lily_mongo.topology import declare_topology
 from tests.support import (
-    BrokerNames,
-    drain,
+    Broker,
     eventually,
     new_tasks,
     outcomes,
-    queue_depth,
     queue_exists,
     running,
-    wait_for_depth,
 )
 
 CallNext = Callable[[], Awaitable[None]]
@@ -92,21 +89,18 @@ def by_event(managed: ManagedConsumer) -> dict[uuid.UUID | None, TerminalObserva
     return {o.event_id: o for o in managed.delivery_terminal_observations()}
 
 
-async def dlq_codes(channel: aio_pika.abc.AbstractChannel, q: str) -> dict[str, str]:
+async def dlq_codes(broker: Broker, q: str) -> dict[str, str]:
     """Event id -> failure code of every copy in ``q.dlq`` (drained)."""
     return {
-        str(m.headers["x-lily-event-id"]): str(m.headers["x-lily-failure-code"])
-        for m in await drain(channel, f"{q}.dlq")
+        str(m.headers["x-lily-event-id"]): str(m.headers["x-lily-failure-code"]) for m in await broker.drain(f"{q}.dlq")
     }
 
 
 # -- middleware and guards ------------------------------------------------------------------------
 
 
-async def test_middleware_and_guards_wrap_the_handler_outermost_first(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("mw")
+async def test_middleware_and_guards_wrap_the_handler_outermost_first(broker: Broker) -> None:
+    q = broker.queue("mw")
     trace: list[tuple[str, uuid.UUID]] = []
     contexts: list[tuple[str, str, str, int, uuid.UUID, bool, str]] = []
 
@@ -146,12 +140,10 @@ async def test_middleware_and_guards_wrap_the_handler_outermost_first(
     async def handle(order: Json[Order], event_id: EventId) -> None:
         trace.append(("handler", event_id))
 
-    consumer = Consumer(amqp_url=amqp, name="mw")
-    consumer.configure_queue(q, concurrency=1, prefetch=2, retry=PARKED)
-    consumer.use(outer)
-    consumer.guard(consumer_guard)
-    consumer.include(handle)
-    async with running(consumer) as managed, Publisher(amqp) as publisher:
+    consumer = broker.consumer(
+        q, handle, name="mw", middleware=[outer], guards=[consumer_guard], concurrency=1, prefetch=2, retry=PARKED
+    )
+    async with running(consumer) as managed, Publisher(broker.url) as publisher:
         first = await publisher.publish_json(q, {"n": 1}, version=1)
         second = await publisher.publish_json(q, {"n": 2}, version=1)
         await eventually(lambda: outcomes(managed) == ["acked", "acked"], what="both deliveries")
@@ -160,14 +152,12 @@ async def test_middleware_and_guards_wrap_the_handler_outermost_first(
     for step, queue_name, handler_id, attempt, event_id, redelivered, items in contexts:
         assert (queue_name, handler_id, attempt, redelivered, items) == (q, f"{q}/h", 1, False, "set"), step
         assert event_id in (first, second)
-    assert await queue_depth(amqp_channel, q) == 0
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 0
+    assert await broker.depth(q) == 0
+    assert await broker.depth(f"{q}.dlq") == 0
 
 
-async def test_refusals_dead_letter_and_dispatch_failures_skip_middleware_and_guards(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("refuse")
+async def test_refusals_dead_letter_and_dispatch_failures_skip_middleware_and_guards(broker: Broker) -> None:
+    q = broker.queue("refuse")
     seen: list[tuple[str, uuid.UUID]] = []
 
     def mode(ctx: DeliveryContext) -> str:
@@ -200,12 +190,10 @@ async def test_refusals_dead_letter_and_dispatch_failures_skip_middleware_and_gu
     async def handle(order: Json[Order], event_id: EventId) -> None:
         seen.append(("handler", event_id))
 
-    consumer = Consumer(amqp_url=amqp, name="refuse")
-    consumer.configure_queue(q, concurrency=1, prefetch=8, retry=PARKED)
-    consumer.use(outer)
-    consumer.guard(consumer_guard)
-    consumer.include(handle)
-    async with running(consumer) as managed, Publisher(amqp) as publisher:
+    consumer = broker.consumer(
+        q, handle, name="refuse", middleware=[outer], guards=[consumer_guard], concurrency=1, prefetch=8, retry=PARKED
+    )
+    async with running(consumer) as managed, Publisher(broker.url) as publisher:
         ok = await publisher.publish_json(q, {"n": 1}, version=1)
         by_mw = await publisher.publish_json(q, {"n": 2}, version=1, headers={"x-test-mode": "middleware"})
         by_cg = await publisher.publish_json(q, {"n": 3}, version=1, headers={"x-test-mode": "consumer-guard"})
@@ -214,10 +202,10 @@ async def test_refusals_dead_letter_and_dispatch_failures_skip_middleware_and_gu
         no_content = await publisher.publish_text(q, "n=6", version=1)
         undecodable = await publisher.publish_json(q, {"n": "six"}, version=1)
         await eventually(lambda: len(outcomes(managed)) == 7, what="seven deliveries")
-        assert await wait_for_depth(amqp_channel, f"{q}.dlq", 6) == 6
+        assert await broker.wait_for_depth(f"{q}.dlq", 6) == 6
     observed = by_event(managed)
     assert observed[ok].outcome == "acked"
-    codes = await dlq_codes(amqp_channel, q)
+    codes = await dlq_codes(broker, q)
     assert codes == {
         str(by_mw): "MW_REFUSED",
         str(by_cg): "GUARD_CONSUMER_NO",
@@ -238,13 +226,11 @@ async def test_refusals_dead_letter_and_dispatch_failures_skip_middleware_and_gu
     assert steps(by_hg) == ["outer", "inner", "guard:consumer", "guard:handler", "outer:exit"]
     # Dispatch and decode failures happen before any middleware, guard or handler code.
     assert steps(no_version) == steps(no_content) == steps(undecodable) == []
-    assert await queue_depth(amqp_channel, q) == 0
+    assert await broker.depth(q) == 0
 
 
-async def test_a_guard_returning_false_refuses_with_guard_rejected(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("guard-false")
+async def test_a_guard_returning_false_refuses_with_guard_rejected(broker: Broker) -> None:
+    q = broker.queue("guard-false")
     called: list[int] = []
 
     async def only_even(ctx: DeliveryContext) -> bool:
@@ -254,10 +240,8 @@ async def test_a_guard_returning_false_refuses_with_guard_rejected(
     async def handle(order: Json[Order]) -> None:
         called.append(order.n)
 
-    consumer = Consumer(amqp_url=amqp, name="guard-false")
-    consumer.configure_queue(q, retry=PARKED)
-    consumer.include(handle)
-    async with running(consumer) as managed, Publisher(amqp) as publisher:
+    consumer = broker.consumer(q, handle, name="guard-false", retry=PARKED)
+    async with running(consumer) as managed, Publisher(broker.url) as publisher:
         even = await publisher.publish_json(q, {"n": 2}, version=1, headers={"x-n": 2})
         odd = await publisher.publish_json(q, {"n": 3}, version=1, headers={"x-n": 3})
         await eventually(lambda: len(outcomes(managed)) == 2, what="two deliveries")
@@ -265,16 +249,14 @@ async def test_a_guard_returning_false_refuses_with_guard_rejected(
     assert observed[even].outcome == "acked"
     assert observed[odd].outcome == "dead_lettered"
     assert called == [2]
-    assert await dlq_codes(amqp_channel, q) == {str(odd): "QUEUE_GUARD_REJECTED"}
+    assert await dlq_codes(broker, q) == {str(odd): "QUEUE_GUARD_REJECTED"}
 
 
 # -- admission ------------------------------------------------------------------------------------
 
 
-async def test_a_blocked_queue_never_starves_another(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    qa, qb = names.queue("slow"), names.queue("fast")
+async def test_a_blocked_queue_never_starves_another(broker: Broker) -> None:
+    qa, qb = broker.queue("slow"), broker.queue("fast")
     gate = asyncio.Event()
     started_a: list[uuid.UUID] = []
     done_b: list[uuid.UUID] = []
@@ -288,11 +270,11 @@ async def test_a_blocked_queue_never_starves_another(
     async def fast(event_id: EventId) -> None:
         done_b.append(event_id)
 
-    consumer = Consumer(amqp_url=amqp, name="admission")
+    consumer = Consumer(amqp_url=broker.url, name="admission")
     consumer.configure_queue(qa, concurrency=1, prefetch=4, retry=PARKED)
     consumer.configure_queue(qb, concurrency=2, prefetch=8, retry=PARKED)
     consumer.include(slow, fast)
-    async with running(consumer, release=gate) as managed, Publisher(amqp) as publisher:
+    async with running(consumer, release=gate) as managed, Publisher(broker.url) as publisher:
         await publisher.publish_json(qa, {}, version=1)
         await eventually(lambda: len(started_a) == 1, what="A's first handler running")
         for _ in range(5):
@@ -309,19 +291,17 @@ async def test_a_blocked_queue_never_starves_another(
         assert (snap_a.permits, snap_a.in_flight, snap_a.buffered, snap_a.received) == (1, 1, 3, 4)
         assert (snap_b.in_flight, snap_b.buffered, snap_b.outcomes.get("acked")) == (0, 0, 3)
         assert len(started_a) == 1
-        assert await queue_depth(amqp_channel, qa) == 2
-        assert await queue_depth(amqp_channel, qb) == 0
+        assert await broker.depth(qa) == 2
+        assert await broker.depth(qb) == 0
         gate.set()
         await eventually(lambda: outcomes(managed).count("acked") == 9, what="every delivery acked")
         assert managed.snapshot().queues[0].outcomes.get("acked") == 6
     assert len(started_a) == 6
-    assert await queue_depth(amqp_channel, qa) == 0
+    assert await broker.depth(qa) == 0
 
 
-async def test_local_buffer_bounds_what_the_broker_pushes(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("buffer")
+async def test_local_buffer_bounds_what_the_broker_pushes(broker: Broker) -> None:
+    q = broker.queue("buffer")
     gate = asyncio.Event()
     started: list[uuid.UUID] = []
 
@@ -330,28 +310,24 @@ async def test_local_buffer_bounds_what_the_broker_pushes(
         started.append(event_id)
         await gate.wait()
 
-    consumer = Consumer(amqp_url=amqp, name="buffer")
-    consumer.configure_queue(q, concurrency=2, prefetch=16, buffer=1, retry=PARKED)
-    consumer.include(handle)
-    async with running(consumer, release=gate) as managed, Publisher(amqp) as publisher:
+    consumer = broker.consumer(q, handle, name="buffer", concurrency=2, prefetch=16, buffer=1, retry=PARKED)
+    async with running(consumer, release=gate) as managed, Publisher(broker.url) as publisher:
         for _ in range(6):
             await publisher.publish_json(q, {}, version=1)
         # Two permits plus a buffer of one: three unacknowledged deliveries at most, three stay on the broker.
         await eventually(lambda: managed.snapshot().queues[0].buffered == 1, what="the buffer filled")
         await eventually(lambda: len(started) == 2, what="two handlers running")
-        assert await wait_for_depth(amqp_channel, q, 3) == 3
+        assert await broker.wait_for_depth(q, 3) == 3
         await asyncio.sleep(0.2)
         snapshot = managed.snapshot().queues[0]
         assert (snapshot.in_flight, snapshot.buffered, snapshot.received, len(started)) == (2, 1, 3, 2)
         gate.set()
         await eventually(lambda: outcomes(managed) == ["acked"] * 6, what="all six acked")
-    assert await queue_depth(amqp_channel, q) == 0
+    assert await broker.depth(q) == 0
 
 
-async def test_concurrency_bounds_running_handlers(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("bound")
+async def test_concurrency_bounds_running_handlers(broker: Broker) -> None:
+    q = broker.queue("bound")
     gate = asyncio.Event()
     running_now = 0
     most = 0
@@ -367,10 +343,8 @@ async def test_concurrency_bounds_running_handlers(
         finally:
             running_now -= 1
 
-    consumer = Consumer(amqp_url=amqp, name="bound")
-    consumer.configure_queue(q, concurrency=3, prefetch=16, retry=PARKED)
-    consumer.include(handle)
-    async with running(consumer, release=gate) as managed, Publisher(amqp) as publisher:
+    consumer = broker.consumer(q, handle, name="bound", concurrency=3, prefetch=16, retry=PARKED)
+    async with running(consumer, release=gate) as managed, Publisher(broker.url) as publisher:
         for _ in range(10):
             await publisher.publish_json(q, {}, version=1)
         await eventually(lambda: managed.snapshot().queues[0].buffered == 7, what="seven deliveries buffered")
@@ -380,13 +354,13 @@ async def test_concurrency_bounds_running_handlers(
         gate.set()
         await eventually(lambda: outcomes(managed) == ["acked"] * 10, what="all ten acked")
     assert most == 3
-    assert await queue_depth(amqp_channel, q) == 0
+    assert await broker.depth(q) == 0
 
 
-async def test_handlers_run_in_worker_tasks_that_end_when_the_queue_is_idle(amqp: str, names: BrokerNames) -> None:
+async def test_handlers_run_in_worker_tasks_that_end_when_the_queue_is_idle(broker: Broker) -> None:
     """Each handler runs in a task of the consumer's own (not the AMQP library's callback task), and
     workers do not linger once there is no work: only the consumer's long-lived tasks remain."""
-    q = names.queue("workers")
+    q = broker.queue("workers")
     seen: list[str] = []
 
     @queue(q, version=1)
@@ -396,10 +370,8 @@ async def test_handlers_run_in_worker_tasks_that_end_when_the_queue_is_idle(amqp
         seen.append(task.get_name())
         await asyncio.sleep(0.01)
 
-    consumer = Consumer(amqp_url=amqp, name="workers")
-    consumer.configure_queue(q, concurrency=4, prefetch=8)
-    consumer.include(handle)
-    async with running(consumer) as managed, Publisher(amqp) as publisher:
+    consumer = broker.consumer(q, handle, name="workers", concurrency=4, prefetch=8)
+    async with running(consumer) as managed, Publisher(broker.url) as publisher:
         idle = new_tasks(set())
         for _ in range(12):
             await publisher.publish_json(q, {}, version=1)
@@ -410,21 +382,17 @@ async def test_handlers_run_in_worker_tasks_that_end_when_the_queue_is_idle(amqp
         )
 
 
-async def test_a_deleted_queue_is_reported_loudly(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_a_deleted_queue_is_reported_loudly(broker: Broker, caplog: pytest.LogCaptureFixture) -> None:
     """The broker cancels the consumer of a deleted queue; the consumer says which queue went quiet."""
-    q = names.queue("deleted")
-    consumer = Consumer(amqp_url=amqp, name="deleted")
-    consumer.configure_queue(q, concurrency=1)
+    q = broker.queue("deleted")
 
     @queue(q, version=1)
     async def handle(event_id: EventId) -> None:
         return None
 
-    consumer.include(handle)
+    consumer = broker.consumer(q, handle, name="deleted", concurrency=1)
     async with running(consumer):
-        await amqp_channel.queue_delete(q)
+        await broker.channel.queue_delete(q)
         await eventually(
             lambda: any(
                 r.name == "lily_mongo" and r.levelname == "ERROR" and q in r.getMessage() for r in caplog.records
@@ -451,13 +419,8 @@ async def declare_or_refusal(
     return None
 
 
-async def test_quorum_topology_and_a_retry_then_success(
-    amqp: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-) -> None:
-    q = names.queue("quorum")
+async def test_quorum_topology_and_a_retry_then_success(broker: Broker) -> None:
+    q = broker.queue("quorum")
     seen: list[int] = []
 
     @queue(q, version=1)
@@ -466,10 +429,10 @@ async def test_quorum_topology_and_a_retry_then_success(
         if retries == 0:
             raise QueueHandlerError.retryable("TRY_AGAIN", "first attempt fails")
 
-    consumer = Consumer(amqp_url=amqp, name="quorum")
-    consumer.configure_queue(q, queue_type="quorum", retry=RetryPolicy(max_retries=1, delays=(0.2,)), prefetch=4)
-    consumer.include(handle)
-    async with running(consumer) as managed, Publisher(amqp) as publisher:
+    consumer = broker.consumer(
+        q, handle, name="quorum", queue_type="quorum", retry=RetryPolicy(max_retries=1, delays=(0.2,)), prefetch=4
+    )
+    async with running(consumer) as managed, Publisher(broker.url) as publisher:
         event = await publisher.publish_json(q, {}, version=1)
         await eventually(lambda: outcomes(managed) == ["retried", "acked"], what="retry then success")
     assert seen == [0, 1]
@@ -481,20 +444,15 @@ async def test_quorum_topology_and_a_retry_then_success(
     }
     for name, arguments in expected.items():
         # Same arguments as quorum: equivalent. As classic: the broker refuses (the type differs).
-        assert await declare_or_refusal(amqp_connection, name, {**arguments, "x-queue-type": "quorum"}) is None, name
-        refusal = await declare_or_refusal(amqp_connection, name, {**arguments, "x-queue-type": "classic"})
+        assert await declare_or_refusal(broker.connection, name, {**arguments, "x-queue-type": "quorum"}) is None, name
+        refusal = await declare_or_refusal(broker.connection, name, {**arguments, "x-queue-type": "classic"})
         assert refusal == "ChannelPreconditionFailed", name
     for name in expected:
-        assert await queue_depth(amqp_channel, name) == 0
+        assert await broker.depth(name) == 0
 
 
-async def test_passive_topology_requires_the_queues_to_exist(
-    amqp: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-) -> None:
-    q = names.queue("passive")
+async def test_passive_topology_requires_the_queues_to_exist(broker: Broker) -> None:
+    q = broker.queue("passive")
     calls: list[uuid.UUID] = []
 
     @queue(q, version=1)
@@ -502,9 +460,7 @@ async def test_passive_topology_requires_the_queues_to_exist(
         calls.append(event_id)
 
     def make(passive: bool) -> Consumer:
-        consumer = Consumer(amqp_url=amqp, name="passive")
-        consumer.configure_queue(q, passive=passive, retry=PARKED)
-        consumer.include(handle)
+        consumer = broker.consumer(q, handle, name="passive", passive=passive, retry=PARKED)
         return consumer
 
     before = set(asyncio.all_tasks())
@@ -515,34 +471,28 @@ async def test_passive_topology_requires_the_queues_to_exist(
     assert not new_tasks(before)
     # Passive verification declared nothing.
     for name in (q, f"{q}.retry.0", f"{q}.dlq"):
-        assert not await queue_exists(amqp_connection, name), name
+        assert not await queue_exists(broker.connection, name), name
 
     async with running(make(passive=False)):
         pass
-    async with running(make(passive=True)) as managed, Publisher(amqp) as publisher:
+    async with running(make(passive=True)) as managed, Publisher(broker.url) as publisher:
         event = await publisher.publish_json(q, {}, version=1)
         await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery on the verified topology")
     assert calls == [event]
-    assert await queue_depth(amqp_channel, q) == 0
+    assert await broker.depth(q) == 0
 
 
 @pytest.mark.parametrize("existing", ["plain-queue", "other-retry-delay"])
-async def test_topology_mismatch_fails_start_and_leaves_nothing_running(
-    amqp: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-    existing: str,
-) -> None:
-    q = names.queue("mismatch")
+async def test_topology_mismatch_fails_start_and_leaves_nothing_running(broker: Broker, existing: str) -> None:
+    q = broker.queue("mismatch")
     if existing == "plain-queue":
-        await amqp_channel.declare_queue(q, durable=True)  # no dead-letter exchange
+        await broker.channel.declare_queue(q, durable=True)  # no dead-letter exchange
         refused = q
     else:
         # An earlier deployment used another retry delay: the bucket's TTL differs.
-        await declare_topology(amqp_connection, QueueOptions(name=q, retry=RetryPolicy(max_retries=1, delays=(10,))))
+        await declare_topology(broker.connection, QueueOptions(name=q, retry=RetryPolicy(max_retries=1, delays=(10,))))
         refused = f"{q}.retry.0"
-    async with Publisher(amqp) as publisher:
+    async with Publisher(broker.url) as publisher:
         await publisher.publish_json(q, {}, version=1)
     calls: list[uuid.UUID] = []
 
@@ -550,9 +500,7 @@ async def test_topology_mismatch_fails_start_and_leaves_nothing_running(
     async def handle(event_id: EventId) -> None:
         calls.append(event_id)
 
-    consumer = Consumer(amqp_url=amqp, name="mismatch")
-    consumer.configure_queue(q, retry=PARKED)
-    consumer.include(handle)
+    consumer = broker.consumer(q, handle, name="mismatch", retry=PARKED)
     before = set(asyncio.all_tasks())
     with pytest.raises(ConfigError) as mismatch:
         await consumer.start()
@@ -561,7 +509,7 @@ async def test_topology_mismatch_fails_start_and_leaves_nothing_running(
     assert not new_tasks(before)
     with pytest.raises(ConfigError):
         await consumer.start()  # a consumer starts once
-    queue_state = await amqp_channel.declare_queue(q, passive=True)
+    queue_state = await broker.channel.declare_queue(q, passive=True)
     assert queue_state.declaration_result.consumer_count == 0
     assert queue_state.declaration_result.message_count == 1  # untouched
     assert calls == []
@@ -570,18 +518,13 @@ async def test_topology_mismatch_fails_start_and_leaves_nothing_running(
 # -- extractors -----------------------------------------------------------------------------------
 
 
-async def test_redelivered_and_raw_delivery(
-    amqp: str,
-    names: BrokerNames,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    amqp_connection: aio_pika.abc.AbstractConnection,
-) -> None:
-    q = names.queue("redelivered")
-    await declare_topology(amqp_connection, QueueOptions(name=q, retry=PARKED))
-    async with Publisher(amqp) as publisher:
+async def test_redelivered_and_raw_delivery(broker: Broker) -> None:
+    q = broker.queue("redelivered")
+    await declare_topology(broker.connection, QueueOptions(name=q, retry=PARKED))
+    async with Publisher(broker.url) as publisher:
         again = await publisher.publish_json(q, {"n": 1}, version=1)
         # Another consumer takes the first message and its channel closes without an ACK.
-        channel = await amqp_connection.channel()
+        channel = await broker.connection.channel()
         taken = await (await channel.declare_queue(q, passive=True)).get(no_ack=False)
         assert taken is not None
         assert taken.redelivered is False
@@ -602,9 +545,7 @@ async def test_redelivered_and_raw_delivery(
         except dataclasses.FrozenInstanceError:
             pass
 
-    consumer = Consumer(amqp_url=amqp, name="redelivered")
-    consumer.configure_queue(q, concurrency=1, prefetch=2, retry=PARKED)
-    consumer.include(handle)
+    consumer = broker.consumer(q, handle, name="redelivered", concurrency=1, prefetch=2, retry=PARKED)
     async with running(consumer) as managed:
         await eventually(lambda: outcomes(managed) == ["acked", "acked"], what="both deliveries")
     assert problems == []
@@ -619,14 +560,12 @@ async def test_redelivered_and_raw_delivery(
         assert raw.content_type == "application/json"
         assert raw.envelope.event_id == event
         assert raw.redelivered is seen[event][0]
-    assert await queue_depth(amqp_channel, q) == 0
+    assert await broker.depth(q) == 0
 
 
-async def test_raw_delivery_headers_cannot_change_the_dead_letter_copy(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
+async def test_raw_delivery_headers_cannot_change_the_dead_letter_copy(broker: Broker) -> None:
     """RawDelivery is a read-only view: a handler cannot rewrite the identity its DLQ copy carries."""
-    q = names.queue("readonly")
+    q = broker.queue("readonly")
     forged = uuid.uuid4()
 
     @queue(q, version=1)
@@ -637,22 +576,18 @@ async def test_raw_delivery_headers_cannot_change_the_dead_letter_copy(
             headers["x-lily-schema-version"] = "99"
         raise QueueHandlerError.permanent("REFUSED", "after trying to rewrite the headers")
 
-    consumer = Consumer(amqp_url=amqp, name="readonly")
-    consumer.configure_queue(q, concurrency=1, prefetch=2, retry=PARKED)
-    consumer.include(handle)
-    async with running(consumer) as managed, Publisher(amqp) as publisher:
+    consumer = broker.consumer(q, handle, name="readonly", concurrency=1, prefetch=2, retry=PARKED)
+    async with running(consumer) as managed, Publisher(broker.url) as publisher:
         event = await publisher.publish_json(q, {}, version=1)
         await eventually(lambda: outcomes(managed) == ["dead_lettered"], what="the DLQ handoff")
-    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    [copy] = await broker.drain(f"{q}.dlq")
     assert copy.headers["x-lily-failure-code"] == "REFUSED"
     assert copy.headers["x-lily-event-id"] == str(event)
     assert copy.headers["x-lily-schema-version"] == "1"
 
 
-async def test_text_bytes_and_custom_extractors_end_to_end(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("content")
+async def test_text_bytes_and_custom_extractors_end_to_end(broker: Broker) -> None:
+    q = broker.queue("content")
     texts: list[str] = []
     blobs: list[bytes] = []
     custom: list[tuple[dict[str, str], str | None]] = []
@@ -669,26 +604,26 @@ async def test_text_bytes_and_custom_extractors_end_to_end(
     async def on_custom(values: KV, raw: RawDelivery) -> None:
         custom.append((values, raw.content_type))
 
-    consumer = Consumer(amqp_url=amqp, name="content")
-    consumer.configure_queue(q, concurrency=1, prefetch=8, retry=PARKED)
-    consumer.include(on_text, on_binary, on_custom)
-    async with running(consumer) as managed, Publisher(amqp) as publisher:
+    consumer = broker.consumer(
+        q, on_text, on_binary, on_custom, name="content", concurrency=1, prefetch=8, retry=PARKED
+    )
+    async with running(consumer) as managed, Publisher(broker.url) as publisher:
         await publisher.publish_text(q, "grüße, 世界", version=1)
         await publisher.publish_binary(q, b"\x00\xff\x10", version=1)
         await publisher.publish(KV_CONTENT, q, {"a": "1", "b": "2"}, version=1)
         bad_text = await publisher.publish(RAW_TEXT, q, b"\xff\xfe", version=1)
         bad_custom = await publisher.publish(RAW_KV, q, b"no pairs here", version=1)
         await eventually(lambda: len(outcomes(managed)) == 5, what="five deliveries")
-        assert await wait_for_depth(amqp_channel, f"{q}.dlq", 2) == 2
+        assert await broker.wait_for_depth(f"{q}.dlq", 2) == 2
     assert texts == ["grüße, 世界"]
     assert blobs == [b"\x00\xff\x10"]
     assert custom == [({"a": "1", "b": "2"}, "application/x-key-values")]
     assert outcomes(managed).count("acked") == 3
-    assert await dlq_codes(amqp_channel, q) == {
+    assert await dlq_codes(broker, q) == {
         str(bad_text): "QUEUE_PAYLOAD_DECODE_FAILED",
         str(bad_custom): "QUEUE_PAYLOAD_DECODE_FAILED",
     }
     reasons = {o.event_id: o.reason for o in managed.delivery_terminal_observations()}
     assert "UTF-8" in reasons[bad_text]
     assert "key=value" in reasons[bad_custom]
-    assert await queue_depth(amqp_channel, q) == 0
+    assert await broker.depth(q) == 0
