@@ -25,7 +25,17 @@ from pymongo import AsyncMongoClient
 from pymongo.asynchronous.database import AsyncDatabase
 from yarl import URL
 
-from lily_mongo import Consumer, Json, ManagedConsumer, Publisher, QueueOptions, TerminalObservation, queue
+from lily_mongo import (
+    Consumer,
+    Json,
+    ManagedConsumer,
+    Publisher,
+    QueueHandlerError,
+    QueueOptions,
+    RetryPolicy,
+    TerminalObservation,
+    queue,
+)
 from lily_mongo.plan import Guard, Middleware
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -137,6 +147,7 @@ async def queue_exists(connection: aio_pika.abc.AbstractConnection, name: str) -
 
 # -- the servers of one test -----------------------------------------------------------------------
 
+NO_RETRIES = RetryPolicy(max_retries=0, delays=())
 QUEUE_SETTINGS = frozenset(f.name for f in dataclasses.fields(QueueOptions)) - {"name"}
 
 
@@ -262,6 +273,16 @@ def accepting(q: str) -> Callable[..., Awaitable[None]]:
         return None
 
     return accept
+
+
+def rejecting(q: str) -> Callable[..., Awaitable[None]]:
+    """A json v1 handler on ``q`` that refuses every delivery it decodes, permanently (``ITEM_REJECTED``)."""
+
+    @queue(q, version=1, content="json")
+    async def reject(body: Json[dict[str, Any]]) -> None:
+        raise QueueHandlerError.permanent("ITEM_REJECTED", "refused by the handler")
+
+    return reject
 
 
 # -- polling --------------------------------------------------------------------------------------

@@ -21,16 +21,15 @@ import aio_pika.abc
 import jsonschema
 import pydantic
 
-from lily_mongo import Consumer, Json, QueueHandlerError, RetryPolicy, queue
 from lily_mongo.asyncapi import asyncapi_document
 from tests.support import (
-    BrokerNames,
+    NO_RETRIES,
+    Broker,
     RawProducer,
-    drain,
     long_string_value,
     raw_properties,
     raw_table,
-    wait_for_depth,
+    rejecting,
     wait_observations,
 )
 
@@ -54,18 +53,9 @@ def as_json(value: Any) -> Any:
     return value
 
 
-async def test_every_kind_of_real_dlq_copy_validates_against_the_dlq_message(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("asyncapi-dlq")
-
-    @queue(q, version=1, content="json")
-    async def handle(item: Json[Item]) -> None:
-        raise QueueHandlerError.permanent("ITEM_REJECTED", "refused by the handler")
-
-    consumer = Consumer(amqp_url=amqp, name="asyncapi-dlq")
-    consumer.configure_queue(q, max_body=64, retry=RetryPolicy(max_retries=0, delays=()))
-    consumer.include(handle)
+async def test_every_kind_of_real_dlq_copy_validates_against_the_dlq_message(broker: Broker) -> None:
+    q = broker.queue("asyncapi-dlq")
+    consumer = broker.consumer(q, rejecting(q), name="asyncapi-dlq", max_body=64, retry=NO_RETRIES)
     schema = asyncapi_document(consumer.plan())["components"]["messages"][f"{q}.dead-lettered"]["headers"]
     envelope = {"x-lily-schema-version": "1", "x-lily-content-kind": "json"}
     sent: list[tuple[dict[str, Any], bytes]] = [
@@ -77,10 +67,10 @@ async def test_every_kind_of_real_dlq_copy_validates_against_the_dlq_message(
         ({**envelope, "x-lily-event-id": str(uuid.uuid4()), "x-lily-failure-code": "FORGED"}, b" " * 100),  # oversize
     ]
     managed = await consumer.start()
-    raw = await RawProducer.open(amqp)
+    raw = await RawProducer.open(broker.url)
     try:
         for headers, body in sent:
-            await amqp_channel.default_exchange.publish(aio_pika.Message(body, headers=headers), routing_key=q)
+            await broker.channel.default_exchange.publish(aio_pika.Message(body, headers=headers), routing_key=q)
         # Metadata that is not UTF-8: the copy holds the lenient reading.
         table = raw_table([(b"x-lily-event-id", long_string_value(str(uuid.uuid4()))), (b"x-\xff", b"t\x01")])
         await raw.publish("", q.encode(), raw_properties(headers=table), b'{"n": 7}')
@@ -88,8 +78,8 @@ async def test_every_kind_of_real_dlq_copy_validates_against_the_dlq_message(
     finally:
         await raw.close()
         await managed.shutdown()
-    assert await wait_for_depth(amqp_channel, f"{q}.dlq", len(sent) + 1) == len(sent) + 1
-    copies = await drain(amqp_channel, f"{q}.dlq")
+    assert await broker.wait_for_depth(f"{q}.dlq", len(sent) + 1) == len(sent) + 1
+    copies = await broker.drain(f"{q}.dlq")
     check = jsonschema.Draft7Validator(schema)
     kinds = set()
     for copy in copies:

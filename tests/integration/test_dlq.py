@@ -9,9 +9,16 @@ import aio_pika
 import aio_pika.abc
 import pydantic
 
-from lily_mongo import Consumer, Json, QueueHandlerError, RetryPolicy, queue
 from lily_mongo.dlq import list_dead_letters, replay_dead_letters
-from tests.support import BrokerNames, drain, eventually, outcomes, queue_depth, running, wait_for_depth
+from tests.support import (
+    NO_RETRIES,
+    Broker,
+    eventually,
+    outcomes,
+    rejecting,
+    running,
+    wait_for_depth,
+)
 
 
 class Item(pydantic.BaseModel):
@@ -27,48 +34,35 @@ async def fill(channel: aio_pika.abc.AbstractChannel, name: str, count: int) -> 
     return ids
 
 
-async def test_listing_a_quorum_dlq_again_and_again_loses_nothing(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("quorum")
+async def test_listing_a_quorum_dlq_again_and_again_loses_nothing(broker: Broker) -> None:
+    q = broker.queue("quorum")
     dlq = f"{q}.dlq"
     # A quorum queue drops a message handed back more often than its delivery limit (20 by
     # default on RabbitMQ 4.0 to 4.2); with a limit of 1 a second requeue would drop it.
-    await amqp_channel.declare_queue(dlq, durable=True, arguments={"x-queue-type": "quorum", "x-delivery-limit": 1})
-    ids = await fill(amqp_channel, dlq, 3)
+    await broker.channel.declare_queue(dlq, durable=True, arguments={"x-queue-type": "quorum", "x-delivery-limit": 1})
+    ids = await fill(broker.channel, dlq, 3)
     for _ in range(4):
-        listing = await list_dead_letters(amqp, q)
+        listing = await list_dead_letters(broker.url, q)
         assert listing.total == 3
         assert sorted(m.event_id or "" for m in listing.messages) == sorted(ids)
-    remaining = await drain(amqp_channel, dlq)
+    remaining = await broker.drain(dlq)
     assert sorted(str(m.headers["x-lily-event-id"]) for m in remaining) == sorted(ids)
     # Put back whole: the same properties (the message id included), not just the headers.
     assert sorted(m.message_id or "" for m in remaining) == sorted(f"m-{i[:8]}" for i in ids)
 
 
-async def test_a_limited_listing_reads_the_oldest_and_keeps_the_rest(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("limited")
-    await amqp_channel.declare_queue(f"{q}.dlq", durable=True)
-    ids = await fill(amqp_channel, f"{q}.dlq", 3)
-    listing = await list_dead_letters(amqp, q, limit=2)
+async def test_a_limited_listing_reads_the_oldest_and_keeps_the_rest(broker: Broker) -> None:
+    q = broker.queue("limited")
+    await broker.channel.declare_queue(f"{q}.dlq", durable=True)
+    ids = await fill(broker.channel, f"{q}.dlq", 3)
+    listing = await list_dead_letters(broker.url, q, limit=2)
     assert (listing.total, [m.event_id for m in listing.messages]) == (3, ids[:2])
-    assert await queue_depth(amqp_channel, f"{q}.dlq") == 3
+    assert await broker.depth(f"{q}.dlq") == 3
 
 
-async def test_broker_dead_letters_and_library_copies_are_told_apart(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("origin")
-
-    @queue(q, version=1, content="json")
-    async def handle(item: Json[Item]) -> None:
-        raise QueueHandlerError.permanent("ITEM_REJECTED", "refused by the handler")
-
-    consumer = Consumer(amqp_url=amqp, name="origin")
-    consumer.configure_queue(q, max_body=64, retry=RetryPolicy(max_retries=0, delays=()))
-    consumer.include(handle)
+async def test_broker_dead_letters_and_library_copies_are_told_apart(broker: Broker) -> None:
+    q = broker.queue("origin")
+    consumer = broker.consumer(q, rejecting(q), name="origin", max_body=64, retry=NO_RETRIES)
     forged: dict[str, Any] = {
         "x-lily-schema-version": "1",
         "x-lily-content-kind": "json",
@@ -81,10 +75,10 @@ async def test_broker_dead_letters_and_library_copies_are_told_apart(
     async with running(consumer) as managed:
         for event_id, body in ((oversize, b"{" + b" " * 100 + b"}"), (rejected, b'{"n": 1}')):
             message = aio_pika.Message(body, headers={"x-lily-event-id": event_id, **forged})
-            await amqp_channel.default_exchange.publish(message, routing_key=q)
+            await broker.channel.default_exchange.publish(message, routing_key=q)
         await eventually(lambda: len(outcomes(managed)) == 2, what="both deliveries settled", interval=0.05)
-    assert await wait_for_depth(amqp_channel, f"{q}.dlq", 2) == 2
-    seen = {m.event_id: m for m in (await list_dead_letters(amqp, q)).messages}
+    assert await broker.wait_for_depth(f"{q}.dlq", 2) == 2
+    seen = {m.event_id: m for m in (await list_dead_letters(broker.url, q)).messages}
     broker, library = seen[oversize], seen[rejected]
     assert (broker.origin, broker.broker_reason, broker.code, broker.untrusted_code) == (
         "broker",
@@ -101,20 +95,16 @@ async def test_broker_dead_letters_and_library_copies_are_told_apart(
     )
 
 
-async def test_replay_moves_the_selected_message_and_reports_unknown_ids(
-    amqp: str, names: BrokerNames, amqp_channel: aio_pika.abc.AbstractChannel
-) -> None:
-    q = names.queue("replay")
-    await amqp_channel.declare_queue(q, durable=True)
-    await amqp_channel.declare_queue(f"{q}.dlq", durable=True)
-    ids = await fill(amqp_channel, f"{q}.dlq", 3)
+async def test_replay_moves_the_selected_message_and_reports_unknown_ids(broker: Broker) -> None:
+    q = broker.queue("replay")
+    await broker.channel.declare_queue(q, durable=True)
+    await broker.channel.declare_queue(f"{q}.dlq", durable=True)
+    ids = await fill(broker.channel, f"{q}.dlq", 3)
     unknown = str(uuid.uuid4())
-    result = await replay_dead_letters(amqp, q, event_ids=[ids[1].upper(), unknown], reset_retries=True)
+    result = await replay_dead_letters(broker.url, q, event_ids=[ids[1].upper(), unknown], reset_retries=True)
     assert (result.scanned, result.moved, result.kept, result.missing) == (3, 1, 2, (unknown,))
-    [moved] = await drain(amqp_channel, q)
+    [moved] = await broker.drain(q)
     assert moved.headers["x-lily-event-id"] == ids[1]
     assert moved.headers["x-retry-count"] == 0
     assert moved.message_id != f"m-{ids[1][:8]}"  # a fresh message id, as every copy gets
-    assert sorted(str(m.headers["x-lily-event-id"]) for m in await drain(amqp_channel, f"{q}.dlq")) == sorted(
-        [ids[0], ids[2]]
-    )
+    assert sorted(str(m.headers["x-lily-event-id"]) for m in await broker.drain(f"{q}.dlq")) == sorted([ids[0], ids[2]])

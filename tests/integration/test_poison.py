@@ -20,7 +20,7 @@ import pytest
 
 from lily_mongo import Consumer, Json, RetryPolicy, queue
 from lily_mongo.bounds import BOUNDS
-from tests.support import BrokerNames, drain, queue_depth, wait_observations
+from tests.support import Broker, wait_observations
 
 SECRET = "SECRET-VALUE-"  # marks oversized header values; must never be echoed back
 
@@ -52,66 +52,37 @@ def oversized(n: int, marker: str = SECRET) -> str:
 @dataclass(frozen=True)
 class Poison:
     name: str
-    headers: Callable[[], dict[str, Any] | None]
-    body: bytes
     code: str
+    headers: Callable[[], dict[str, Any] | None] = envelope
+    body: bytes = b'{"id": 1, "sku": "A-1"}'
 
 
-GOOD_BODY = b'{"id": 1, "sku": "A-1"}'
+INVALID = "QUEUE_ENVELOPE_INVALID"
+TOO_MUCH = "QUEUE_METADATA_BOUNDS_EXCEEDED"
+UNDECODABLE = "QUEUE_PAYLOAD_DECODE_FAILED"
 
 POISON = [
-    Poison("no-headers", lambda: None, GOOD_BODY, "QUEUE_ENVELOPE_INVALID"),
-    Poison("missing-event-id", lambda: envelope(x_lily_event_id=None), GOOD_BODY, "QUEUE_ENVELOPE_INVALID"),
-    Poison("missing-content-kind", lambda: envelope(x_lily_content_kind=None), GOOD_BODY, "QUEUE_ENVELOPE_INVALID"),
-    Poison("invalid-event-id", lambda: envelope(x_lily_event_id="order-7"), GOOD_BODY, "QUEUE_ENVELOPE_INVALID"),
-    Poison(
-        "uppercase-event-id",
-        lambda: envelope(x_lily_event_id=str(uuid.uuid4()).upper()),
-        GOOD_BODY,
-        "QUEUE_ENVELOPE_INVALID",
-    ),
-    Poison("integer-schema-version", lambda: envelope(x_lily_schema_version=1), GOOD_BODY, "QUEUE_ENVELOPE_INVALID"),
-    Poison(
-        "nil-event-id",
-        lambda: envelope(x_lily_event_id="00000000-0000-0000-0000-000000000000"),
-        GOOD_BODY,
-        "QUEUE_ENVELOPE_INVALID",
-    ),
-    Poison("string-retry-count", lambda: envelope(x_retry_count="1"), GOOD_BODY, "QUEUE_ENVELOPE_INVALID"),
-    Poison("retry-count-out-of-range", lambda: envelope(x_retry_count=101), GOOD_BODY, "QUEUE_ENVELOPE_INVALID"),
-    Poison(
-        "unsupported-version",
-        lambda: envelope(x_lily_schema_version="2"),
-        GOOD_BODY,
-        "QUEUE_SCHEMA_VERSION_UNSUPPORTED",
-    ),
-    Poison(
-        "unsupported-content-kind",
-        lambda: envelope(x_lily_content_kind="text"),
-        GOOD_BODY,
-        "QUEUE_CONTENT_KIND_UNSUPPORTED",
-    ),
-    Poison("broken-json", envelope, b'{"id": 1, "sku": ', "QUEUE_PAYLOAD_DECODE_FAILED"),
-    Poison("validation-failure", envelope, b'{"id": "seven", "sku": "A-1"}', "QUEUE_PAYLOAD_DECODE_FAILED"),
-    Poison(
-        "oversize-header-value",
-        lambda: {**envelope(), "x-note": oversized(9 * 1024)},
-        GOOD_BODY,
-        "QUEUE_METADATA_BOUNDS_EXCEEDED",
-    ),
+    Poison("no-headers", INVALID, lambda: None),
+    Poison("missing-event-id", INVALID, lambda: envelope(x_lily_event_id=None)),
+    Poison("missing-content-kind", INVALID, lambda: envelope(x_lily_content_kind=None)),
+    Poison("invalid-event-id", INVALID, lambda: envelope(x_lily_event_id="order-7")),
+    Poison("uppercase-event-id", INVALID, lambda: envelope(x_lily_event_id=str(uuid.uuid4()).upper())),
+    Poison("integer-schema-version", INVALID, lambda: envelope(x_lily_schema_version=1)),
+    Poison("nil-event-id", INVALID, lambda: envelope(x_lily_event_id="00000000-0000-0000-0000-000000000000")),
+    Poison("string-retry-count", INVALID, lambda: envelope(x_retry_count="1")),
+    Poison("retry-count-out-of-range", INVALID, lambda: envelope(x_retry_count=101)),
+    Poison("unsupported-version", "QUEUE_SCHEMA_VERSION_UNSUPPORTED", lambda: envelope(x_lily_schema_version="2")),
+    Poison("unsupported-content-kind", "QUEUE_CONTENT_KIND_UNSUPPORTED", lambda: envelope(x_lily_content_kind="text")),
+    Poison("broken-json", UNDECODABLE, body=b'{"id": 1, "sku": '),
+    Poison("validation-failure", UNDECODABLE, body=b'{"id": "seven", "sku": "A-1"}'),
+    Poison("oversize-header-value", TOO_MUCH, lambda: {**envelope(), "x-note": oversized(9 * 1024)}),
+    # Each value is within its own bound, so a bounded subset may be carried on the copy.
     Poison(
         "oversize-metadata-aggregate",
-        # Each value is within its own bound, so a bounded subset may be carried on the copy.
+        TOO_MUCH,
         lambda: {**envelope(), **{f"x-note-{i}": oversized(8000, "filler-") for i in range(4)}},
-        GOOD_BODY,
-        "QUEUE_METADATA_BOUNDS_EXCEEDED",
     ),
-    Poison(
-        "too-many-headers",
-        lambda: {**envelope(), **{f"x-h{i}": "v" for i in range(70)}},
-        GOOD_BODY,
-        "QUEUE_METADATA_BOUNDS_EXCEEDED",
-    ),
+    Poison("too-many-headers", TOO_MUCH, lambda: {**envelope(), **{f"x-h{i}": "v" for i in range(70)}}),
 ]
 
 
@@ -124,15 +95,12 @@ async def publish_raw(
     await channel.default_exchange.publish(message, routing_key=q, mandatory=True)
 
 
-def make_consumer(amqp: str, q: str, seen: list[Order]) -> Consumer:
+def make_consumer(broker: Broker, q: str, seen: list[Order]) -> Consumer:
     @queue(q, version=1, content="json")
     async def handle(order: Json[Order]) -> None:
         seen.append(order)
 
-    consumer = Consumer(amqp_url=amqp, name="t")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=2, delays=(0.2,)))
-    consumer.include(handle)
-    return consumer
+    return broker.consumer(q, handle, retry=RetryPolicy(max_retries=2, delays=(0.2,)))
 
 
 def assert_bounded_reason(reason: object) -> None:
@@ -154,18 +122,16 @@ def assert_bounded_copy(headers: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("poison", POISON, ids=[p.name for p in POISON])
-async def test_poison_message_is_dead_lettered_and_the_consumer_keeps_running(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, poison: Poison
-) -> None:
-    q = names.queue("poison")
+async def test_poison_message_is_dead_lettered_and_the_consumer_keeps_running(broker: Broker, poison: Poison) -> None:
+    q = broker.queue("poison")
     seen: list[Order] = []
-    consumer = make_consumer(amqp, q, seen)
+    consumer = make_consumer(broker, q, seen)
     managed = await consumer.start()
     try:
-        await publish_raw(amqp_channel, q, poison.body, poison.headers(), "poison")
+        await publish_raw(broker.channel, q, poison.body, poison.headers(), "poison")
         [rejected] = await wait_observations(managed, 1)
         valid = envelope()
-        await publish_raw(amqp_channel, q, b'{"id": 2, "sku": "B-2"}', valid, "valid")
+        await publish_raw(broker.channel, q, b'{"id": 2, "sku": "B-2"}', valid, "valid")
         observations = await wait_observations(managed, 2)
         report = await managed.shutdown()
     finally:
@@ -179,8 +145,8 @@ async def test_poison_message_is_dead_lettered_and_the_consumer_keeps_running(
     assert seen == [Order(id=2, sku="B-2")]
     assert report.succeeded
     # Count in (2) = count out: one ACKed, one in the DLQ, nothing left or retried.
-    assert [await queue_depth(amqp_channel, n) for n in (q, f"{q}.retry.0", f"{q}.dlq")] == [0, 0, 1]
-    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert await broker.topology_depths(q) == [0, 0, 1]
+    [copy] = await broker.drain(f"{q}.dlq")
     headers = dict(copy.headers)
     assert headers["x-lily-failure-code"] == poison.code
     assert_bounded_reason(headers["x-lily-failure-reason"])
@@ -191,17 +157,15 @@ async def test_poison_message_is_dead_lettered_and_the_consumer_keeps_running(
     assert copy.body == poison.body
 
 
-async def test_mixed_stream_loses_nothing(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames
-) -> None:
-    q = names.queue("poison-mix")
+async def test_mixed_stream_loses_nothing(broker: Broker) -> None:
+    q = broker.queue("poison-mix")
     seen: list[Order] = []
-    consumer = make_consumer(amqp, q, seen)
+    consumer = make_consumer(broker, q, seen)
     managed = await consumer.start()
     try:
         for i, poison in enumerate(POISON):
-            await publish_raw(amqp_channel, q, poison.body, poison.headers(), f"poison-{poison.name}")
-            await publish_raw(amqp_channel, q, f'{{"id": {i}, "sku": "S"}}'.encode(), envelope(), f"valid-{i}")
+            await publish_raw(broker.channel, q, poison.body, poison.headers(), f"poison-{poison.name}")
+            await publish_raw(broker.channel, q, f'{{"id": {i}, "sku": "S"}}'.encode(), envelope(), f"valid-{i}")
         observations = await wait_observations(managed, 2 * len(POISON))
         await managed.shutdown()
     finally:
@@ -209,8 +173,8 @@ async def test_mixed_stream_loses_nothing(
     outcomes = sorted(o.outcome for o in observations)
     assert outcomes == sorted(["acked"] * len(POISON) + ["dead_lettered"] * len(POISON))
     assert sorted(o.id for o in seen) == list(range(len(POISON)))
-    assert [await queue_depth(amqp_channel, n) for n in (q, f"{q}.retry.0", f"{q}.dlq")] == [0, 0, len(POISON)]
-    copies = await drain(amqp_channel, f"{q}.dlq")
+    assert await broker.topology_depths(q) == [0, 0, len(POISON)]
+    copies = await broker.drain(f"{q}.dlq")
     assert Counter(c.headers.get("x-lily-failure-code") for c in copies) == Counter(p.code for p in POISON)
     assert sorted(c.body for c in copies) == sorted(p.body for p in POISON)
     for copy in copies:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic
@@ -26,6 +27,7 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.testing import DeliveryResult, Faults, TestConsumer, check_idempotent
+from tests.support import MongoDB
 
 NO_BROKER = "amqp://guest:guest@127.0.0.1:1/"
 
@@ -35,11 +37,18 @@ class Order(pydantic.BaseModel):
     total: int
 
 
-def orders_consumer(client: AsyncMongoClient[Any], database: str, *handlers: Any) -> Consumer:
-    consumer = Consumer(amqp_url=NO_BROKER, name="orders", mongo_client=client, database=database)
+def orders_consumer(mongodb: MongoDB, *handlers: Any) -> Consumer:
+    consumer = Consumer(amqp_url=NO_BROKER, name="orders", mongo_client=mongodb.client, database=mongodb.name)
     consumer.configure_queue("orders", retry=RetryPolicy(max_retries=2, delays=(5.0, 60.0)))
     consumer.include(*handlers)
     return consumer
+
+
+@pytest.fixture
+async def tc(mongodb: MongoDB) -> AsyncIterator[TestConsumer]:
+    """The orders consumer's plan running in-process (no broker) against the test's database."""
+    async with TestConsumer(orders_consumer(mongodb, apply_order)) as running:
+        yield running
 
 
 @queue("orders", version=1, handler_id="orders.v1")
@@ -52,105 +61,86 @@ async def apply_order(order: Json[Order], event_id: EventId, retries: RetryCount
     await mongo.outbox.publish_json("orders.confirmed", {"order_id": order.order_id}, version=1)
 
 
-async def test_a_valid_event_is_acked_applied_once_and_its_copy_is_a_duplicate(
-    mongo_client: AsyncMongoClient[Any], database_name: str
-) -> None:
-    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
-        event = uuid.uuid4()
-        first = await tc.publish_json("orders", {"order_id": "o1", "total": 5}, version=1, event_id=event)
-        second = await tc.publish_json("orders", {"order_id": "o1", "total": 5}, version=1, event_id=event)
-        assert (first.outcome, first.code, first.settlement) == ("acked", None, "ack")
-        assert (second.outcome, second.settlement) == ("duplicate", "ack")
-        assert await tc.database["orders"].find({}).to_list() == [{"_id": "o1", "total": 5}]
-        # The outbox message was relayed (recorded), once, with the canonical envelope.
-        [confirmed] = [m for m in tc.published if m.kind == "outbox"]
-        assert confirmed.routing_key == "orders.confirmed"
-        assert confirmed.headers["x-lily-schema-version"] == "1"
-        assert confirmed.body == b'{"order_id":"o1"}'
+async def test_a_valid_event_is_acked_applied_once_and_its_copy_is_a_duplicate(tc: TestConsumer) -> None:
+    event = uuid.uuid4()
+    first = await tc.publish_json("orders", {"order_id": "o1", "total": 5}, version=1, event_id=event)
+    second = await tc.publish_json("orders", {"order_id": "o1", "total": 5}, version=1, event_id=event)
+    assert (first.outcome, first.code, first.settlement) == ("acked", None, "ack")
+    assert (second.outcome, second.settlement) == ("duplicate", "ack")
+    assert await tc.database["orders"].find({}).to_list() == [{"_id": "o1", "total": 5}]
+    # The outbox message was relayed (recorded), once, with the canonical envelope.
+    [confirmed] = [m for m in tc.published if m.kind == "outbox"]
+    assert confirmed.routing_key == "orders.confirmed"
+    assert confirmed.headers["x-lily-schema-version"] == "1"
+    assert confirmed.body == b'{"order_id":"o1"}'
 
 
-async def test_a_permanent_failure_is_dead_lettered_with_its_code_and_the_copy_is_inspectable(
-    mongo_client: AsyncMongoClient[Any], database_name: str
-) -> None:
-    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
-        event = uuid.uuid4()
-        result = await tc.publish_json("orders", {"order_id": "o2", "total": 0}, version=1, event_id=event)
-        assert (result.outcome, result.code) == ("dead_lettered", "ORDER_INVALID")
-        [copy] = tc.published
-        assert (copy.kind, copy.routing_key) == ("dlq", "orders.dlq")
-        assert copy.headers["x-lily-failure-code"] == "ORDER_INVALID"
-        assert copy.headers["x-lily-event-id"] == str(event)
-        assert copy.headers["x-lily-failed-queue"] == "orders"
-        assert await tc.database["orders"].count_documents({}) == 0
+async def test_a_permanent_failure_is_dead_lettered_with_its_code_and_the_copy_is_inspectable(tc: TestConsumer) -> None:
+    event = uuid.uuid4()
+    result = await tc.publish_json("orders", {"order_id": "o2", "total": 0}, version=1, event_id=event)
+    assert (result.outcome, result.code) == ("dead_lettered", "ORDER_INVALID")
+    [copy] = tc.published
+    assert (copy.kind, copy.routing_key) == ("dlq", "orders.dlq")
+    assert copy.headers["x-lily-failure-code"] == "ORDER_INVALID"
+    assert copy.headers["x-lily-event-id"] == str(event)
+    assert copy.headers["x-lily-failed-queue"] == "orders"
+    assert await tc.database["orders"].count_documents({}) == 0
 
 
 async def test_a_retryable_failure_makes_a_retry_copy_that_deliver_retries_runs_with_the_next_count(
-    mongo_client: AsyncMongoClient[Any], database_name: str
+    tc: TestConsumer,
 ) -> None:
-    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
-        result = await tc.publish_json("orders", {"order_id": "flaky-1", "total": 3}, version=1)
-        assert (result.outcome, result.code) == ("retried", "PAYMENT_DOWN")
-        [copy] = tc.published
-        assert (copy.kind, copy.routing_key, copy.headers["x-retry-count"]) == ("retry", "orders.retry.0", 1)
-        [retried] = await tc.deliver_retries()
-        assert retried.outcome == "acked"
-        assert await tc.deliver_retries() == []  # each copy is delivered once
-        assert await tc.database["orders"].count_documents({"_id": "flaky-1"}) == 1
+    result = await tc.publish_json("orders", {"order_id": "flaky-1", "total": 3}, version=1)
+    assert (result.outcome, result.code) == ("retried", "PAYMENT_DOWN")
+    [copy] = tc.published
+    assert (copy.kind, copy.routing_key, copy.headers["x-retry-count"]) == ("retry", "orders.retry.0", 1)
+    [retried] = await tc.deliver_retries()
+    assert retried.outcome == "acked"
+    assert await tc.deliver_retries() == []  # each copy is delivered once
+    assert await tc.database["orders"].count_documents({"_id": "flaky-1"}) == 1
 
 
-async def test_contract_cases_go_through_the_same_checks(
-    mongo_client: AsyncMongoClient[Any], database_name: str
-) -> None:
-    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
-        no_envelope = await tc.publish_raw("orders", headers={}, body=b"{}")
-        assert (no_envelope.outcome, no_envelope.code) == ("dead_lettered", "QUEUE_ENVELOPE_INVALID")
-        wrong_version = await tc.publish_json("orders", {"order_id": "x", "total": 1}, version=9)
-        assert wrong_version.code == "QUEUE_SCHEMA_VERSION_UNSUPPORTED"
-        bad_body = await tc.publish_json("orders", {"order_id": "x"}, version=1)
-        assert bad_body.code == "QUEUE_PAYLOAD_DECODE_FAILED"
-        text = await tc.publish_text("orders", "hello", version=1)
-        assert text.code == "QUEUE_CONTENT_KIND_UNSUPPORTED"
+async def test_contract_cases_go_through_the_same_checks(tc: TestConsumer) -> None:
+    no_envelope = await tc.publish_raw("orders", headers={}, body=b"{}")
+    assert (no_envelope.outcome, no_envelope.code) == ("dead_lettered", "QUEUE_ENVELOPE_INVALID")
+    wrong_version = await tc.publish_json("orders", {"order_id": "x", "total": 1}, version=9)
+    assert wrong_version.code == "QUEUE_SCHEMA_VERSION_UNSUPPORTED"
+    bad_body = await tc.publish_json("orders", {"order_id": "x"}, version=1)
+    assert bad_body.code == "QUEUE_PAYLOAD_DECODE_FAILED"
+    text = await tc.publish_text("orders", "hello", version=1)
+    assert text.code == "QUEUE_CONTENT_KIND_UNSUPPORTED"
 
 
-async def publish_under(
-    client: AsyncMongoClient[Any], database: str, inject: str, order_id: str
-) -> tuple[DeliveryResult, int]:
+async def publish_under(mongodb: MongoDB, inject: str, order_id: str) -> tuple[DeliveryResult, int]:
     """One order delivered with the fault ``inject`` armed; its result and how many times it was applied."""
-    async with TestConsumer(orders_consumer(client, database, apply_order)) as tc:
-        async with Faults(client) as faults:
+    async with TestConsumer(orders_consumer(mongodb, apply_order)) as tc:
+        async with Faults(mongodb.client) as faults:
             await getattr(faults, inject)(1)
             result = await tc.publish_json("orders", {"order_id": order_id, "total": 1}, version=1)
         return result, await tc.database["orders"].count_documents({"_id": order_id})
 
 
-async def test_an_injected_transient_error_replays(
-    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Faults
-) -> None:
-    result, applied = await publish_under(mongo_client, database_name, "transient_operations", "o3")
+async def test_an_injected_transient_error_replays(mongodb: MongoDB, failpoints: Faults) -> None:
+    result, applied = await publish_under(mongodb, "transient_operations", "o3")
     assert result.outcome == "acked"
     assert (result.observation.attempts, result.observation.transient_replays) == (2, 1)
     assert applied == 1
 
 
-async def test_an_injected_ambiguous_commit_is_reconciled(
-    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Faults
-) -> None:
-    result, applied = await publish_under(mongo_client, database_name, "ambiguous_commits", "o4")
+async def test_an_injected_ambiguous_commit_is_reconciled(mongodb: MongoDB, failpoints: Faults) -> None:
+    result, applied = await publish_under(mongodb, "ambiguous_commits", "o4")
     assert result.outcome == "acked"
     assert (result.observation.attempts, result.observation.reconciliations) == (1, 1)
     assert applied == 1
 
 
-async def test_a_lease_held_elsewhere_defers_without_running_the_handler(
-    mongo_client: AsyncMongoClient[Any], database_name: str
-) -> None:
-    async with TestConsumer(orders_consumer(mongo_client, database_name, apply_order)) as tc:
-        event = uuid.uuid4()
-        await tc.hold_lease("orders.v1", event, seconds=60)
-        result = await tc.publish_json("orders", {"order_id": "o5", "total": 1}, version=1, event_id=event)
-        assert (result.outcome, result.code, result.settlement) == ("deferred", "LEASE_HELD", "nack_requeue")
-        assert len(tc.requeued) == 1
-        assert await tc.database["orders"].count_documents({}) == 0
+async def test_a_lease_held_elsewhere_defers_without_running_the_handler(tc: TestConsumer) -> None:
+    event = uuid.uuid4()
+    await tc.hold_lease("orders.v1", event, seconds=60)
+    result = await tc.publish_json("orders", {"order_id": "o5", "total": 1}, version=1, event_id=event)
+    assert (result.outcome, result.code, result.settlement) == ("deferred", "LEASE_HELD", "nack_requeue")
+    assert len(tc.requeued) == 1
+    assert await tc.database["orders"].count_documents({}) == 0
 
 
 # -- Faults, the failpoint itself ---------------------------------------------------------------------
@@ -158,9 +148,9 @@ async def test_a_lease_held_elsewhere_defers_without_running_the_handler(
 
 
 async def test_a_fault_fails_the_next_times_of_its_commands_with_its_code_labels_and_message(
-    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Faults
+    mongodb: MongoDB, failpoints: Faults
 ) -> None:
-    orders = mongo_client[database_name]["orders"]
+    orders = mongodb.db["orders"]
     await failpoints.fail("insert", code=112, labels=["TransientTransactionError"], times=2, message="injected")
     for n in range(2):
         with pytest.raises(OperationFailure) as failure:
@@ -173,14 +163,12 @@ async def test_a_fault_fails_the_next_times_of_its_commands_with_its_code_labels
     assert await orders.distinct("_id") == ["third"]
 
 
-async def test_a_fault_without_times_stays_on_and_the_context_manager_clears_it_on_an_error(
-    mongo_client: AsyncMongoClient[Any], database_name: str
-) -> None:
-    orders = mongo_client[database_name]["orders"]
+async def test_a_fault_without_times_stays_on_and_the_context_manager_clears_it_on_an_error(mongodb: MongoDB) -> None:
+    orders = mongodb.db["orders"]
     refused: list[int] = []
 
     async def scenario() -> None:
-        async with Faults(mongo_client) as faults:
+        async with Faults(mongodb.client) as faults:
             await faults.fail(["insert"], code=8, times=None)
             for n in range(3):
                 with pytest.raises(OperationFailure) as failure:
@@ -195,21 +183,17 @@ async def test_a_fault_without_times_stays_on_and_the_context_manager_clears_it_
     assert await orders.distinct("_id") == ["after"]
 
 
-async def test_a_fault_with_a_namespace_fails_that_collection_only(
-    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Faults
-) -> None:
-    db = mongo_client[database_name]
-    await failpoints.fail(["insert"], times=None, namespace=f"{database_name}.records")
+async def test_a_fault_with_a_namespace_fails_that_collection_only(mongodb: MongoDB, failpoints: Faults) -> None:
+    db = mongodb.db
+    await failpoints.fail(["insert"], times=None, namespace=f"{mongodb.name}.records")
     await db["effects"].insert_one({"_id": 1})
     with pytest.raises(OperationFailure):
         await db["records"].insert_one({"_id": 1})
     assert (await db["effects"].count_documents({}), await db["records"].count_documents({})) == (1, 0)
 
 
-async def test_a_fault_can_block_the_connection_before_it_fails(
-    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Faults
-) -> None:
-    orders = mongo_client[database_name]["orders"]
+async def test_a_fault_can_block_the_connection_before_it_fails(mongodb: MongoDB, failpoints: Faults) -> None:
+    orders = mongodb.db["orders"]
     await failpoints.fail(["find"], block_ms=300)
     started = time.monotonic()
     with pytest.raises(OperationFailure):
@@ -218,12 +202,10 @@ async def test_a_fault_can_block_the_connection_before_it_fails(
     assert await orders.find_one({}) is None  # once only
 
 
-async def test_a_fault_that_closes_the_connection_fails_the_command_once(
-    mongo_client: AsyncMongoClient[Any], database_name: str, failpoints: Faults
-) -> None:
+async def test_a_fault_that_closes_the_connection_fails_the_command_once(mongodb: MongoDB, failpoints: Faults) -> None:
     # MongoDB drops the socket (PyMongo raises AutoReconnect); the emulator answers an error
     # reply instead (docs/emulator.md). Either way the command fails, and only that once.
-    orders = mongo_client[database_name]["orders"]
+    orders = mongodb.db["orders"]
     await failpoints.fail(["find"], close_connection=True)
     with pytest.raises(PyMongoError):
         await orders.find_one({})
@@ -242,7 +224,7 @@ async def test_a_fault_that_closes_the_connection_fails_the_command_once(
     ],
 )
 async def test_a_fault_refuses_arguments_the_server_could_not_take(
-    mongo_client: AsyncMongoClient[Any], failpoints: Faults, arguments: dict[str, Any], says: str
+    mongodb: MongoDB, failpoints: Faults, arguments: dict[str, Any], says: str
 ) -> None:
     with pytest.raises(ConfigError) as refused:
         await failpoints.fail(**arguments)
@@ -279,17 +261,15 @@ def ledger_consumer(client: AsyncMongoClient[Any], handler: Any) -> Consumer:
 PAYLOADS = [{"order_id": f"o{n}", "total": n + 1} for n in range(3)]
 
 
-async def test_check_idempotent_passes_a_correct_handler(
-    mongo_client: AsyncMongoClient[Any], failpoints: Faults
-) -> None:
-    await check_idempotent(ledger_consumer(mongo_client, correct_ledger), "ledger", PAYLOADS, ledger)
+async def test_check_idempotent_passes_a_correct_handler(mongodb: MongoDB, failpoints: Faults) -> None:
+    await check_idempotent(ledger_consumer(mongodb.client, correct_ledger), "ledger", PAYLOADS, ledger)
 
 
 async def test_check_idempotent_finds_a_handler_that_writes_outside_its_session(
-    mongo_client: AsyncMongoClient[Any], failpoints: Faults
+    mongodb: MongoDB, failpoints: Faults
 ) -> None:
     # On MongoDB the replayed write doubles the ledger ("not idempotent"); the emulator fails
     # the attempt's commit on the write outside the session every time, so the clean run
     # itself cannot succeed. Either way the handler is refused.
     with pytest.raises(AssertionError, match=r"check_idempotent: (the handler is not idempotent|a clean delivery)"):
-        await check_idempotent(ledger_consumer(mongo_client, leaky_ledger), "ledger", PAYLOADS, ledger)
+        await check_idempotent(ledger_consumer(mongodb.client, leaky_ledger), "ledger", PAYLOADS, ledger)
