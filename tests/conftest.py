@@ -3,6 +3,11 @@
 ``LILY_MONGO_URI`` and ``LILY_AMQP_URL`` point the integration tier at other
 servers (for instance compose.yaml's replica set); by default it starts the
 embedded MongoDB-wire server and uses the local RabbitMQ.
+
+An integration test usually takes ``broker`` (the RabbitMQ: unique queue names,
+consumers, publishing, queue depths; see ``tests.support.Broker``) and, with an
+inbox, ``mongodb`` (client and a fresh database). ``failpoints`` is the
+package's own ``lily_mongo.testing.Faults``, off again after the test.
 """
 
 from __future__ import annotations

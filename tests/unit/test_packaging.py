@@ -89,7 +89,6 @@ EXTRA_MODULES = {
     "aiohttp": "aiohttp",
     "prometheus-client": "prometheus_client",
 }
-UNIT = ROOT / "tests" / "unit"
 LOCAL = ("lily_mongo", "tests")
 
 
@@ -171,13 +170,13 @@ class Imports(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def unit_tier_imports() -> dict[str, list[str]]:
-    """Every top-level third-party module the unit tier imports, with the chain of modules that leads there.
+def tier_imports(tier: Path) -> dict[str, list[str]]:
+    """Every top-level third-party module a test tier imports, with the chain of modules that leads there.
 
-    The tier is its test modules and the conftest files above them; from there the imports
-    are followed through this repository's modules (the package, tests.support).
+    The tier is its test modules, the conftest file above them and the package's pytest plugin; from
+    there the imports are followed through this repository's modules (the package, tests.support).
     """
-    roots = [*sorted(UNIT.rglob("*.py")), ROOT / "tests" / "conftest.py", ROOT / "lily_mongo" / "pytest_plugin.py"]
+    roots = [*sorted(tier.rglob("*.py")), ROOT / "tests" / "conftest.py", ROOT / "lily_mongo" / "pytest_plugin.py"]
     chains: dict[Path, list[str]] = {path: [module_name(path)] for path in roots}
     queue = list(roots)
     found: dict[str, list[str]] = {}
@@ -185,7 +184,7 @@ def unit_tier_imports() -> dict[str, list[str]]:
         path = queue.pop()
         module = module_name(path)
         visitor = Imports(
-            module if path.name == "__init__.py" else module.rpartition(".")[0], functions=path.is_relative_to(UNIT)
+            module if path.name == "__init__.py" else module.rpartition(".")[0], functions=path.is_relative_to(tier)
         )
         visitor.visit(ast.parse(path.read_text(encoding="utf-8")))
         for name in sorted(visitor.names):
@@ -200,13 +199,14 @@ def unit_tier_imports() -> dict[str, list[str]]:
     return found
 
 
-def test_the_unit_tier_imports_no_optional_extra() -> None:
-    # CONTRIBUTING.md: the unit tier needs nothing beyond the package's own dependencies and
-    # the test tools; what needs an extra lives in tests/extras/.
-    imported = unit_tier_imports()
+@pytest.mark.parametrize("tier", ["unit", "property"])
+def test_the_tiers_that_need_nothing_import_no_optional_extra(tier: str) -> None:
+    # CONTRIBUTING.md: the unit and property tiers need no server and no extra; what needs
+    # an extra lives in tests/extras/.
+    imported = tier_imports(ROOT / "tests" / tier)
     extras = {module: distribution for distribution, module in EXTRA_MODULES.items()}
     offending = [f"{m} ({extras[m]}), imported by {' -> '.join(imported[m])}" for m in sorted(imported) if m in extras]
-    assert not offending, "the unit tier imports optional extras:\n" + "\n".join(offending)
+    assert not offending, f"the {tier} tier imports optional extras:\n" + "\n".join(offending)
     # The walk reaches the package's own dependencies, so an empty result is not a blind walk.
     assert {"pymongo", "aio_pika", "pydantic", "orjson"} <= set(imported)
 
