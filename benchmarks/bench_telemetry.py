@@ -51,6 +51,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanKind
 
 from lily_mongo import Consumer, Json, RetryPolicy, queue
+from lily_mongo._observer import NO_OBSERVER
 from lily_mongo._tasks import TaskSet
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.runtime import Runtime
@@ -114,7 +115,9 @@ async def cpu_per_delivery(telemetry: Telemetry | None, batch: list[Message]) ->
     consumer = Consumer(amqp_url="amqp://unused/", name="bench", telemetry=False)
     consumer.configure_queue(QUEUE, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=0, delays=()))
     consumer.include(handle)
-    runtime = Runtime(consumer.plan(), None, TaskSet(), inbox=None, confirm_timeout=1.0, telemetry=telemetry)
+    runtime = Runtime(
+        consumer.plan(), None, TaskSet(), inbox=None, confirm_timeout=1.0, observer=telemetry or NO_OBSERVER
+    )
     runtime.open_in_process()
     for message in batch[:200]:  # warm-up
         await runtime.deliver(QUEUE, message)

@@ -107,7 +107,7 @@ async def build_engine(
     connection to consume from; None for an in-process transport, which publishes the
     retry and DLQ copies through ``handoff``.
     """
-    observer: Observer = settings.telemetry if settings.telemetry is not None else NO_OBSERVER
+    observer: Observer = settings.telemetry or NO_OBSERVER
     inbox: Inbox | None = None
     relay: OutboxRelay | None = None
     client = settings.mongo_client
@@ -141,7 +141,7 @@ async def build_engine(
         inbox=inbox,
         confirm_timeout=settings.confirm_timeout,
         handoff=handoff,
-        telemetry=observer,
+        observer=observer,
     )
     engine = Engine(settings, runtime, inbox, relay)
     names = tuple(plan.queues)

@@ -283,18 +283,18 @@ class Runtime:
         inbox: Inbox | None,
         confirm_timeout: float,
         handoff: Handoff | None = None,
-        telemetry: Observer | None = None,
+        observer: Observer = NO_OBSERVER,
     ) -> None:
         """``connection`` is the AMQP connection to consume from; None for an in-process
-        transport, which feeds :meth:`deliver` and passes its own ``handoff``. ``telemetry``
-        is what the engine reports to (:class:`~lily_mongo.telemetry.Telemetry`); None: nothing."""
+        transport, which feeds :meth:`deliver` and passes its own ``handoff``. ``observer``
+        is what the engine reports to (a :class:`~lily_mongo.telemetry.Telemetry`, or nothing)."""
         self.plan = plan
         self.connection = connection
         self._handoff: Handoff = handoff or self._handoff_on_channel
         self.tasks = tasks
         self.inbox = inbox
         self.confirm_timeout = confirm_timeout
-        self.observer: Observer = telemetry if telemetry is not None else NO_OBSERVER
+        self.observer = observer
         self.queues = {name: QueueRuntime(i, opts) for i, (name, opts) in enumerate(plan.queues.items())}
         self.observations = ObservationLog()
         self.handoff_channel: aio_pika.abc.AbstractChannel | None = None
