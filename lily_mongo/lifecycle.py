@@ -400,6 +400,7 @@ class ManagedConsumer:
 
     @property
     def _runtime(self) -> Runtime | None:
+        """The engine's runtime once built (for the library's own tests)."""
         return self._engine.runtime if self._engine is not None else None
 
     @property

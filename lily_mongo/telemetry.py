@@ -28,9 +28,9 @@ What is emitted follows the OpenTelemetry messaging semantic conventions:
   in-flight deliveries, permits, outbox pending and failed).
 
 The metrics' names, units and descriptions are the catalogue in
-:mod:`lily_mongo._metrics`. Attributes never carry payloads, header values other than the trace context,
-credentials or connection strings. Metric attributes are the queue and the
-outcome only: event ids stay on spans.
+:mod:`lily_mongo._metrics`. Attributes never carry payloads, header values
+other than the trace context, credentials or connection strings. Metric
+attributes are the queue and the outcome only: event ids stay on spans.
 """
 
 from __future__ import annotations
