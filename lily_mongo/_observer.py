@@ -24,8 +24,6 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    import datetime
-
     from .observe import Snapshot
     from .settlement import Execution, PipelineResult
 
@@ -86,16 +84,8 @@ class Observer(Protocol):
         the current trace context, which the relay's publish continues)."""
         ...
 
-    def relay_publish(
-        self,
-        send: Send,
-        *,
-        exchange: str,
-        routing_key: str,
-        headers: dict[str, Any],
-        enqueued_at: datetime.datetime | None,
-    ) -> Awaitable[None]:
-        """The relay publishes an outbox record created at ``enqueued_at``."""
+    def relay_publish(self, send: Send, record: Mapping[str, Any]) -> Awaitable[None]:
+        """The relay publishes an outbox ``record`` (its message, with the ``headers`` it stored)."""
         ...
 
     def publish(
@@ -158,16 +148,8 @@ class _NoObserver:
     def outbox_record(self, options: MutableMapping[str, Any]) -> None:
         pass
 
-    def relay_publish(
-        self,
-        send: Send,
-        *,
-        exchange: str,
-        routing_key: str,
-        headers: dict[str, Any],
-        enqueued_at: datetime.datetime | None,
-    ) -> Awaitable[None]:
-        return send(headers)
+    def relay_publish(self, send: Send, record: Mapping[str, Any]) -> Awaitable[None]:
+        return send(record["headers"])
 
     def publish(
         self, send: Send, *, exchange: str, routing_key: str, headers: dict[str, Any], event_id: object

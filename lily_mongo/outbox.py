@@ -327,13 +327,7 @@ class OutboxRelay:
                 body=bytes(record["body"]),
                 content_type=record.get("content_type"),
             )
-            await self._observer.relay_publish(
-                lambda headers: publish(headers=headers),
-                exchange=record["exchange"],
-                routing_key=record["routing_key"],
-                headers=record["headers"],
-                enqueued_at=record.get("created_at"),
-            )
+            await self._observer.relay_publish(lambda headers: publish(headers=headers), record)
         except Exception as exc:
             # Any failure of one record (broker refusal, a record that cannot be encoded
             # or is malformed) is a failed attempt of that record; the relay goes on.

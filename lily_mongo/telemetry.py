@@ -378,23 +378,15 @@ class Telemetry:
             if "tracestate" in context:
                 options["tracestate"] = context["tracestate"]
 
-    def relay_publish(
-        self,
-        send: Send,
-        *,
-        exchange: str,
-        routing_key: str,
-        headers: dict[str, Any],
-        enqueued_at: datetime.datetime | None,
-    ) -> Awaitable[None]:
+    def relay_publish(self, send: Send, record: Mapping[str, Any]) -> Awaitable[None]:
         """A ``PRODUCER`` span, child of the context the record stored (the attempt that wrote it)."""
         return self.produce(
             send,
-            exchange=exchange,
-            routing_key=routing_key,
-            headers=headers,
+            exchange=record["exchange"],
+            routing_key=record["routing_key"],
+            headers=record["headers"],
             operation="relay",
-            enqueued_at=enqueued_at,
+            enqueued_at=record.get("created_at"),
         )
 
     def publish(
