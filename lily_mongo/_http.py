@@ -23,24 +23,20 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, GCCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from ._metrics import (
+    DELIVERIES,
+    OUTBOX_GAUGES,
+    OUTBOX_PUBLISHED,
+    QUEUE_COUNTERS,
+    QUEUE_GAUGES,
+    READY,
+    TRANSPORT_GENERATION,
+)
+
 if TYPE_CHECKING:
     from .lifecycle import ManagedConsumer, ShutdownReport
 
 __all__ = ["MetricsCollector", "ProbeServer"]
-
-# Per-queue counters of the snapshot: (Prometheus name without _total, QueueSnapshot field, help).
-_QUEUE_COUNTERS = (
-    ("messaging_client_consumed_messages", "received", "Deliveries received."),
-    ("lily_inbox_replays", "transient_replays", "Transient-error replays of inbox attempts."),
-    ("lily_inbox_reconciliations", "reconciliations", "Commit-result reconciliations."),
-    ("lily_deferrals", "deferrals", "Deferred deliveries (bounded requeues)."),
-    ("lily_handoff_failures", "handoff_failures", "Retry or DLQ hand-off publishes that failed."),
-)
-_QUEUE_GAUGES = (
-    ("lily_deliveries_in_flight", "in_flight", "Deliveries holding a permit now."),
-    ("lily_deliveries_buffered", "buffered", "Deliveries waiting in the local buffer."),
-    ("lily_permits", "permits", "Admission permits (handler concurrency)."),
-)
 
 
 class MetricsCollector:
@@ -54,40 +50,38 @@ class MetricsCollector:
 
     def collect(self) -> Iterator[Metric]:
         managed = self._server.managed
-        ready = GaugeMetricFamily("lily_ready", "1 while the consumer runs with its channels open.")
+        ready = GaugeMetricFamily(READY.prometheus_name, READY.description)
         ready.add_metric([], 1.0 if managed is not None and managed.ready else 0.0)
         yield ready
         if managed is None:
             return
         snapshot = managed.snapshot()
         names = tuple(managed.plan.queues)
-        generation = GaugeMetricFamily("lily_transport_generation", "AMQP transport generation (1 + reconnects).")
-        generation.add_metric([], snapshot.transport_generation)
+        generation = GaugeMetricFamily(TRANSPORT_GENERATION.prometheus_name, TRANSPORT_GENERATION.description)
+        generation.add_metric([], getattr(snapshot, TRANSPORT_GENERATION.field))
         yield generation
-        outcomes = CounterMetricFamily(
-            "lily_deliveries", "Deliveries by queue and terminal outcome.", labels=["queue", "outcome"]
-        )
+        outcomes = CounterMetricFamily(DELIVERIES.prometheus_name, DELIVERIES.description, labels=["queue", "outcome"])
         for queue in snapshot.queues:
-            for outcome, count in sorted(queue.outcomes.items()):
+            for outcome, count in sorted(getattr(queue, DELIVERIES.field).items()):
                 outcomes.add_metric([names[queue.queue_index], outcome], count)
         yield outcomes
-        for name, field, text in _QUEUE_COUNTERS:
-            counter = CounterMetricFamily(name, text, labels=["queue"])
+        for metric in QUEUE_COUNTERS:
+            counter = CounterMetricFamily(metric.prometheus_name, metric.description, labels=["queue"])
             for queue in snapshot.queues:
-                counter.add_metric([names[queue.queue_index]], getattr(queue, field))
+                counter.add_metric([names[queue.queue_index]], getattr(queue, metric.field))
             yield counter
-        for name, field, text in _QUEUE_GAUGES:
-            gauge = GaugeMetricFamily(name, text, labels=["queue"])
+        for metric in QUEUE_GAUGES:
+            gauge = GaugeMetricFamily(metric.prometheus_name, metric.description, labels=["queue"])
             for queue in snapshot.queues:
-                gauge.add_metric([names[queue.queue_index]], getattr(queue, field))
+                gauge.add_metric([names[queue.queue_index]], getattr(queue, metric.field))
             yield gauge
-        for name, value, text in (
-            ("lily_outbox_pending", snapshot.outbox_pending, "Outbox records waiting for the relay (last pass)."),
-            ("lily_outbox_failed", snapshot.outbox_failed, "Outbox records parked as failed."),
-        ):
+        for metric in OUTBOX_GAUGES:
+            value = getattr(snapshot, metric.field)
             if value is not None:
-                yield GaugeMetricFamily(name, text, value=value)
-        yield CounterMetricFamily("lily_outbox_published", "Outbox records published.", value=snapshot.outbox_published)
+                yield GaugeMetricFamily(metric.prometheus_name, metric.description, value=value)
+        yield CounterMetricFamily(
+            OUTBOX_PUBLISHED.prometheus_name, OUTBOX_PUBLISHED.description, value=snapshot.outbox_published
+        )
         telemetry = managed.telemetry
         if telemetry is None:
             return

@@ -1,4 +1,4 @@
-"""Log set-up for ``lily-mongo run``: ``--log-level`` and ``--log-format text|json``.
+"""The command's log set-up: ``--log-level``, ``--log-format text|json`` and ``--debug``.
 
 The library logs to the ``lily_mongo`` logger and configures nothing itself;
 the command does. Delivery lines carry structured fields (``queue``,
@@ -48,9 +48,14 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(document, default=str).decode()
 
 
-def configure_logging(level: str, fmt: str) -> None:
-    """One stderr handler on the root logger; ``lily_mongo`` at ``level``, other libraries at
-    WARNING or above (so ``debug`` shows one line per delivery, not every AMQP frame)."""
+def configure_logging(level: str = "warning", fmt: str = "text", *, debug: bool = False) -> None:
+    """The ``lily-mongo`` command's one log set-up (each call replaces the previous one).
+
+    One stderr handler on the root logger; ``lily_mongo`` at ``level``, other libraries at
+    WARNING or above (so ``debug`` shows one line per delivery, not every AMQP frame). The
+    AMQP client's own connection-error records repeat the one line the command reports:
+    they are shown only with ``debug`` (``--debug``).
+    """
     if level not in LEVELS:
         raise ValueError(f"--log-level must be one of {', '.join(LEVELS)}, got {level!r}")
     if fmt not in FORMATS:
@@ -67,3 +72,5 @@ def configure_logging(level: str, fmt: str) -> None:
         package.removeHandler(existing)
     package.propagate = True
     package.setLevel(LEVELS[level])
+    for name in ("aiormq", "aio_pika"):
+        logging.getLogger(name).setLevel(logging.WARNING if debug else logging.CRITICAL)

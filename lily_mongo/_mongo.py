@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from pymongo.errors import OperationFailure, PyMongoError
 
 from .errors import ConfigError
+from .records import TRANSACTION_LABELS
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.client_session import AsyncClientSession
@@ -15,12 +16,9 @@ if TYPE_CHECKING:
 __all__ = ["discard_server_session", "ensure_index", "error_labels"]
 
 
-_TRANSACTION_LABELS = ("TransientTransactionError", "UnknownTransactionCommitResult")
-
-
 def error_labels(exc: PyMongoError) -> frozenset[str]:
     """The transaction labels an error carries: errors are classified by label, never by code or message."""
-    return frozenset(label for label in _TRANSACTION_LABELS if exc.has_error_label(label))
+    return frozenset(label for label in TRANSACTION_LABELS if exc.has_error_label(label))
 
 
 def discard_server_session(session: AsyncClientSession) -> None:

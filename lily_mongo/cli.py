@@ -19,7 +19,6 @@ import functools
 import importlib
 import inspect
 import json
-import logging
 import os
 import sys
 import traceback
@@ -110,23 +109,8 @@ def _options(
     ] = False,
 ) -> None:
     ctx.obj = _Settings(debug=debug)
-    if debug:
-        logging.getLogger("lily_mongo").setLevel(logging.INFO)
-        for name in ("aiormq", "aio_pika"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def _configure_logging() -> None:
-    """For the console script: the package's warnings on stderr, one per line; the AMQP client's own
-    connection-error records (which repeat what the command reports in one line) only with --debug."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    package = logging.getLogger("lily_mongo")
-    package.addHandler(handler)
-    package.setLevel(logging.WARNING)
-    package.propagate = False
-    for name in ("aiormq", "aio_pika"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    if debug:  # the package's INFO lines too; every command starts with its warnings (main)
+        configure_logging("info", debug=True)
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -273,8 +257,9 @@ def run(
     Exit status: 0 after a graceful shutdown that succeeded, 1 after a failed or forced one, 2 on a bad
     target or plan, 3 when RabbitMQ or MongoDB cannot be reached.
     """
+    settings = ctx.find_object(_Settings)
     try:
-        configure_logging(log_level, log_format)
+        configure_logging(log_level, log_format, debug=settings is not None and settings.debug)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     consumer: Consumer | None = None
@@ -527,16 +512,15 @@ def inbox_stats(
         sys.stdout.write(json.dumps(stats, indent=2, sort_keys=True) + "\n")
         return
     table = Table(title=f"inbox statistics: {database}")
-    columns = ("completed", "live_leases", "stale_leases", "outbox_pending", "outbox_published", "outbox_failed")
     table.add_column("handler", overflow="fold")
-    for column in columns:
+    for column in inbox_records.STAT_COLUMNS:
         table.add_column(column, justify="right")
     for handler, values in sorted(stats.items()):
-        table.add_row(handler, *(str(values[c]) for c in columns))
+        table.add_row(handler, *(str(values[c]) for c in inbox_records.STAT_COLUMNS))
     console.print(table)
 
 
 def main() -> None:
-    """Console-script entry point."""
-    _configure_logging()
+    """Console-script entry point: the package's warnings on stderr, one per line, then the command."""
+    configure_logging()
     app()

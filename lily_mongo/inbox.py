@@ -34,7 +34,7 @@ Budget (SPEC section 5): a first-time delivery whose handler makes ``k`` writes
 sends ``2 + k`` commands (the claim in the transaction, k writes, commit), a
 redelivered one ``3 + k`` (claim, completion, k writes, commit); a redelivered
 copy of a completed event sends 1 (the claim), a first-time one 2 (the claim in
-the transaction, its read-only commit). :mod:`lily_mongo.lease` holds every
+the transaction, its read-only commit). :mod:`lily_mongo.records` holds every
 decision; this module performs them.
 """
 
@@ -47,7 +47,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,15 +56,17 @@ from pymongo.errors import DuplicateKeyError, PyMongoError
 from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
-from . import lease as protocol
+from . import records
+from ._backoff import backoff
 from ._checks import check_bool, check_int, check_seconds
 from ._mongo import discard_server_session, ensure_index, error_labels
+from ._observer import NO_OBSERVER, Observer
 from ._tasks import TaskSet
 from .bounds import BOUNDS, DELIVERY_COUNT_HEADER
 from .errors import ConfigError, ErrorCode, ScopeClosedError
 from .extractors import NOT_DECODED
-from .lease import ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
 from .outbox import Outbox, RelayOptions
+from .records import ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
 from .settlement import Execution, Outcome, PipelineResult
 
 if TYPE_CHECKING:
@@ -73,11 +75,9 @@ if TYPE_CHECKING:
     from pymongo.asynchronous.database import AsyncDatabase
 
     from .extractors import RawDelivery
-    from .lease import Claim
     from .plan import HandlerRoute
-    from .telemetry import Telemetry
 
-__all__ = ["Inbox", "InboxOptions", "Invoke", "MongoScope", "inbox_stats"]
+__all__ = ["STAT_COLUMNS", "Inbox", "InboxOptions", "Invoke", "MongoScope", "inbox_stats"]
 
 log = logging.getLogger("lily_mongo")
 
@@ -227,10 +227,10 @@ class Inbox:
         *,
         owner_prefix: str,
         on_outbox_commit: Callable[[], None] | None = None,
-        telemetry: Telemetry | None = None,
+        observer: Observer = NO_OBSERVER,
     ) -> None:
         self._client = client
-        self._telemetry = telemetry
+        self._observer = observer
         self._database = client[database]
         self._options = options
         self._records = self._database[options.records]
@@ -262,7 +262,7 @@ class Inbox:
         sent = datetime.datetime.now(datetime.UTC)
         hello = await self._client.admin.command("hello")
         received = datetime.datetime.now(datetime.UTC)
-        self._clock_offset = protocol.clock_offset(hello.get("localTime"), sent, received)
+        self._clock_offset = records.clock_offset(hello.get("localTime"), sent, received)
         await ensure_index(
             self._records,
             "lily_purge_at_ttl",
@@ -283,19 +283,19 @@ class Inbox:
             await asyncio.sleep(interval / 2)
             now = time.monotonic()
             for lease in list(self._leases):
-                if lease.lost or now - lease.renewed_at < interval or not protocol.may_renew(holding=lease.holding):
+                if lease.lost or now - lease.renewed_at < interval or not records.may_renew(holding=lease.holding):
                     continue
                 try:
                     result = await self._records.update_one(
-                        protocol.fence(lease.key, lease.owner, lease.token),
-                        protocol.renewal_update(
+                        records.fence(lease.key, lease.owner, lease.token),
+                        records.renewal_update(
                             lease_seconds=options.lease_seconds, stale_seconds=options.stale_lease_seconds
                         ),
                     )
                     matched: bool | None = result.matched_count > 0
                 except PyMongoError:
                     matched = None
-                verdict = protocol.heartbeat_verdict(
+                verdict = records.heartbeat_verdict(
                     matched=matched,
                     unrenewed_for=time.monotonic() - lease.renewed_at,
                     lease_seconds=options.lease_seconds,
@@ -310,16 +310,16 @@ class Inbox:
     @staticmethod
     def passthrough(exc: BaseException) -> bool:
         """Database errors the handler's verdict must not swallow: the replay loop handles them."""
-        return isinstance(exc, PyMongoError) and ErrorStep.REPLAY is protocol.classify_error(
+        return isinstance(exc, PyMongoError) and ErrorStep.REPLAY is records.classify_error(
             error_labels(exc), in_commit=False
         )
 
     async def execute(self, route: HandlerRoute, delivery: RawDelivery, payload: Any, invoke: Invoke) -> Execution:
         """Run one delivery under the record protocol; ``payload`` is the body decoded while preparing."""
         event_id = str(delivery.envelope.event_id)
-        key = protocol.record_key(route.handler_id, event_id)
+        key = records.record_key(route.handler_id, event_id)
         execution = Execution(PipelineResult(Outcome.DEFERRED, ErrorCode.REPLAY_BUDGET_SPENT, ""))
-        if self._options.claim_in_transaction and protocol.claims_in_transaction(
+        if self._options.claim_in_transaction and records.claims_in_transaction(
             redelivered=delivery.redelivered, delivery_count=delivery.headers.get(DELIVERY_COUNT_HEADER)
         ):
             # A first-time copy: the claim is the transaction's first write (2 + k commands).
@@ -329,19 +329,14 @@ class Inbox:
                 return execution
         owner = self._new_owner()
         try:
-            claiming: Awaitable[dict[str, Any]] = self._claim(key, route.handler_id, event_id, owner)
-            if self._telemetry is not None:
-                claiming = self._telemetry.traced(
-                    "inbox claim", claiming, describe=lambda found: _claim_attributes(protocol.read_claim(found, owner))
-                )
-            record = await claiming
+            record = await self._observer.inbox_claim(self._claim(key, route.handler_id, event_id, owner), owner)
         except PyMongoError as exc:
             # The database is unreachable or refused: infrastructure, not an application
             # failure. Requeue (bounded) without running the handler.
             reason = f"inbox unavailable: {type(exc).__name__}"
             execution.result = PipelineResult(Outcome.DEFERRED, ErrorCode.MONGO_UNAVAILABLE, reason)
             return execution
-        claim = protocol.read_claim(record, owner)
+        claim = records.read_claim(record, owner)
         if claim.kind is ClaimKind.DUPLICATE:
             execution.result = _DUPLICATE
             return execution
@@ -378,7 +373,7 @@ class Inbox:
         return f"{self._owner_prefix}{next(self._owner_numbers)}"
 
     async def _claim(self, key: str, handler_id: str, event_id: str, owner: str) -> dict[str, Any]:
-        pipeline = protocol.claim_pipeline(
+        pipeline = records.claim_pipeline(
             handler_id,
             event_id,
             owner,
@@ -398,12 +393,12 @@ class Inbox:
 
     async def _release(self, lease: _Lease, *, deferred: bool) -> int:
         """Fenced release: delete on a final verdict; on a deferral expire it and return the deferral count."""
-        fence = protocol.fence(lease.key, lease.owner, lease.token)
+        fence = records.fence(lease.key, lease.owner, lease.token)
         if not deferred:
             await self._records.delete_one(fence)
             return 0
         record = await self._records.find_one_and_update(
-            fence, protocol.deferral_release_update(), return_document=ReturnDocument.AFTER
+            fence, records.deferral_release_update(), return_document=ReturnDocument.AFTER
         )
         if record is None:  # lost (or committed) meanwhile: count on whatever is there
             record = await self._records.find_one({"_id": lease.key}, projection={"deferrals": 1}) or {}
@@ -430,15 +425,12 @@ class Inbox:
             # afresh so a handler that mutated its payload cannot leak into the replay.
             first = payload if execution.attempts == 1 else NOT_DECODED
             try:
-                attempt: Awaitable[PipelineResult] = self._attempt(route, lease, execution, first, invoke)
-                if self._telemetry is not None:
-                    numbers = {
-                        "lily.inbox.attempt": execution.attempts,
-                        "lily.inbox.replays": execution.transient_replays,
-                        "lily.inbox.claim_in_transaction": int(lease.first),
-                    }
-                    attempt = self._telemetry.traced("inbox attempt", attempt, numbers, _result_attributes)
-                execution.result = await attempt
+                execution.result = await self._observer.inbox_attempt(
+                    self._attempt(route, lease, execution, first, invoke),
+                    execution.attempts,
+                    execution.transient_replays,
+                    first=lease.first,
+                )
                 return True
             except _Deferral as deferral:
                 execution.result = deferral.result
@@ -448,7 +440,7 @@ class Inbox:
                 return False
             except _Replay as replay:
                 execution.transient_replays += 1
-                if protocol.next_after_replay(execution.transient_replays, options.replay_budget) is ErrorStep.DEFER:
+                if records.next_after_replay(execution.transient_replays, options.replay_budget) is ErrorStep.DEFER:
                     execution.result = PipelineResult(
                         Outcome.DEFERRED,
                         ErrorCode.REPLAY_BUDGET_SPENT,
@@ -457,7 +449,7 @@ class Inbox:
                     )
                     return True
                 await asyncio.sleep(
-                    protocol.backoff(
+                    backoff(
                         execution.transient_replays,
                         base=options.backoff_base,
                         cap=options.backoff_max,
@@ -494,8 +486,8 @@ class Inbox:
             else:
                 try:
                     done = await self._records.update_one(
-                        protocol.fence(lease.key, lease.owner, lease.token),
-                        protocol.completion_update(retention_seconds=self._options.retention_seconds),
+                        records.fence(lease.key, lease.owner, lease.token),
+                        records.completion_update(retention_seconds=self._options.retention_seconds),
                         session=session,
                     )
                 except PyMongoError as exc:
@@ -511,7 +503,7 @@ class Inbox:
                 handler_id=route.handler_id,
                 max_body=self._options.outbox_max_body,
                 is_open=lambda: scope is not None and scope.is_open,
-                telemetry=self._telemetry,
+                observer=self._observer,
             )
             scope = MongoScope(session, self._database, outbox)
             try:
@@ -524,10 +516,7 @@ class Inbox:
             if result.outcome is not Outcome.SUCCESS:
                 await self._abort(session)
                 return result
-            committing: Awaitable[PipelineResult] = self._commit(session, lease, execution)
-            if self._telemetry is not None:
-                committing = self._telemetry.traced("inbox commit", committing, describe=_result_attributes)
-            result = await committing
+            result = await self._observer.inbox_commit(self._commit(session, lease, execution))
             if result is _SUCCESS and outbox.written and self._on_outbox_commit is not None:
                 self._on_outbox_commit()
             return result
@@ -537,7 +526,7 @@ class Inbox:
 
     async def _first_claim(self, session: AsyncClientSession, route: HandlerRoute, lease: _Lease) -> FirstClaim:
         """A first-time copy's claim: the transaction's first write inserts the record completed, or finds it."""
-        update = protocol.first_claim_update(
+        update = records.first_claim_update(
             route.handler_id,
             lease.event_id,
             lease.owner,
@@ -551,17 +540,17 @@ class Inbox:
         except DuplicateKeyError:
             return FirstClaim.CONTENDED  # inserted meanwhile by someone else: the lease claim decides
         except PyMongoError as exc:
-            if protocol.first_claim_falls_back(error_labels(exc)):
+            if records.first_claim_falls_back(error_labels(exc)):
                 await self._abort(session)
                 return FirstClaim.CONTENDED
             await self._abort(session)
             raise self._failed(exc, "the claim in the transaction") from exc
-        return protocol.read_first_claim(before)
+        return records.read_first_claim(before)
 
     @staticmethod
     def _failed(exc: PyMongoError, where: str) -> Exception:
         """The exception an operation's database error turns into: a replay, or a deferral verdict."""
-        if protocol.classify_error(error_labels(exc), in_commit=False) is ErrorStep.REPLAY:
+        if records.classify_error(error_labels(exc), in_commit=False) is ErrorStep.REPLAY:
             return _Replay(f"{type(exc).__name__} in {where} (TransientTransactionError)")
         return _Deferral(PipelineResult(Outcome.DEFERRED, ErrorCode.MONGO_ERROR, f"{type(exc).__name__}: {exc}"[:300]))
 
@@ -578,30 +567,27 @@ class Inbox:
             await session.commit_transaction()
             return _SUCCESS
         except PyMongoError as exc:
-            if protocol.classify_error(error_labels(exc), in_commit=True) is ErrorStep.REPLAY:
+            if records.classify_error(error_labels(exc), in_commit=True) is ErrorStep.REPLAY:
                 discard_server_session(session)  # not committed (MongoDB aborts it): replay
                 raise _Replay(f"commit failed: {type(exc).__name__}") from exc
         execution.reconciliations += 1
-        reconciling: Awaitable[PipelineResult] = self._reconcile(session, lease)
-        if self._telemetry is not None:
-            reconciling = self._telemetry.traced("inbox reconcile", reconciling, describe=_result_attributes)
-        return await reconciling
+        return await self._observer.inbox_reconcile(self._reconcile(session, lease))
 
     async def _reconcile(self, session: AsyncClientSession, lease: _Lease) -> PipelineResult:
         """An unknown commit result: retry the same commit (bounded), then read the record."""
         options = self._options
         for retry in range(options.commit_retries):
-            delay = protocol.backoff(retry, base=options.backoff_base, cap=options.backoff_max, jitter=random.random())
+            delay = backoff(retry, base=options.backoff_base, cap=options.backoff_max, jitter=random.random())
             await asyncio.sleep(delay)
             try:
                 await session.commit_transaction()
                 return _SUCCESS
             except PyMongoError as exc:
-                if protocol.classify_error(error_labels(exc), in_commit=True) is not ErrorStep.RETRY_COMMIT:
+                if records.classify_error(error_labels(exc), in_commit=True) is not ErrorStep.RETRY_COMMIT:
                     break
         discard_server_session(session)
         record = await self._majority_records.find_one({"_id": lease.key})
-        verdict = protocol.reconcile(record, lease.owner, lease.token)
+        verdict = records.reconcile(record, lease.owner, lease.token)
         if verdict is Reconciled.COMMITTED:
             return _SUCCESS
         if verdict is Reconciled.DUPLICATE:
@@ -623,20 +609,8 @@ class _Deferral(Exception):
         self.result = result
 
 
-def _claim_attributes(claim: Claim) -> Mapping[str, str | int]:
-    """What a claim span reports: how the claim ended and the event's deferrals so far."""
-    return {"lily.inbox.claim": claim.kind.value, "lily.inbox.deferrals": claim.deferrals}
-
-
-def _result_attributes(result: PipelineResult) -> Mapping[str, str | int]:
-    """What an attempt, commit or reconciliation span reports: its verdict and code."""
-    attributes: dict[str, str | int] = {"lily.inbox.verdict": result.outcome.value}
-    if result.code:
-        attributes["lily.failure.code"] = result.code
-    return attributes
-
-
-_STAT_COLUMNS = ("completed", "live_leases", "stale_leases", "outbox_pending", "outbox_published", "outbox_failed")
+STAT_COLUMNS = ("completed", "live_leases", "stale_leases", "outbox_pending", "outbox_published", "outbox_failed")
+"""The columns of :func:`inbox_stats`, in the order ``lily-mongo inbox stats`` prints them."""
 
 
 async def inbox_stats(database: AsyncDatabase[Any], options: InboxOptions) -> dict[str, dict[str, int]]:
@@ -647,13 +621,13 @@ async def inbox_stats(database: AsyncDatabase[Any], options: InboxOptions) -> di
     stats: dict[str, dict[str, int]] = {}
 
     def row(handler: object) -> dict[str, int]:
-        return stats.setdefault(str(handler), dict.fromkeys(_STAT_COLUMNS, 0))
+        return stats.setdefault(str(handler), dict.fromkeys(STAT_COLUMNS, 0))
 
     live = {"$and": [{"$ne": [{"$ifNull": ["$owner", None]}, None]}, {"$gt": ["$expires_at", "$$NOW"]}]}
-    records = {"$group": {"_id": {"h": "$handler", "s": "$state", "live": live}, "n": {"$sum": 1}}}
-    async for doc in await database[options.records].aggregate([records]):
+    by_state = {"$group": {"_id": {"h": "$handler", "s": "$state", "live": live}, "n": {"$sum": 1}}}
+    async for doc in await database[options.records].aggregate([by_state]):
         key = doc["_id"]
-        if key.get("s") == protocol.COMPLETED:
+        if key.get("s") == records.COMPLETED:
             column = "completed"
         else:
             column = "live_leases" if key.get("live") else "stale_leases"

@@ -23,7 +23,6 @@ import enum
 import logging
 import signal
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -31,18 +30,17 @@ from typing import Any, Literal, TypedDict, TypeVar, Unpack
 
 import aio_pika.abc
 from pymongo import AsyncMongoClient
-from pymongo.errors import PyMongoError
 
 from ._checks import check_amqp_url, check_bool, check_seconds
 from ._connect import connect_amqp, redact_url
 from ._tasks import TaskSet, raise_if_cancel_requested
 from ._tasks import uncancellable as _uncancellable
 from ._text import describe_value
+from ._wiring import ConsumerSettings, Engine, build_engine
 from .bounds import utf8_len
-from .errors import ConfigError, LilyError, TransportError
-from .inbox import Inbox, InboxOptions, MongoScope
+from .errors import ConfigError, LilyError
+from .inbox import InboxOptions, MongoScope
 from .observe import Snapshot, TerminalObservation
-from .outbox import OutboxRelay
 from .outgoing import OutgoingMessage
 from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions, RetryPolicy
 from .runtime import Runtime
@@ -57,7 +55,7 @@ T = TypeVar("T")
 
 
 class State(enum.Enum):
-    """Lifecycle states of a consumer; a consumer starts once."""
+    """Lifecycle states of a consumer, in order; a consumer starts once."""
 
     NEW = "new"
     STARTING = "starting"
@@ -65,6 +63,25 @@ class State(enum.Enum):
     DRAINING = "draining"
     FORCING = "forcing"
     STOPPED = "stopped"
+
+
+_ORDER = {state: position for position, state in enumerate(State)}
+
+
+class _Lifecycle:
+    """The one holder of a consumer's lifecycle state, shared by the :class:`Consumer` and the
+    :class:`ManagedConsumer` it starts. The state only moves forward (a failed start moves
+    from starting to stopped, a graceful shutdown skips forcing)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: State = State.NEW) -> None:
+        self.state = state
+
+    def enter(self, state: State) -> None:
+        if _ORDER[state] <= _ORDER[self.state]:
+            raise LilyError(f"the consumer cannot go back from {self.state.value} to {state.value}")
+        self.state = state
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,22 +125,6 @@ class ShutdownReport:
         if self.settled:
             lines.append("  settled during shutdown: " + ", ".join(f"{k}={v}" for k, v in sorted(self.settled.items())))
         return "\n".join(lines)
-
-
-@dataclass(frozen=True, slots=True)
-class ConsumerSettings:
-    """Everything a started consumer needs from its :class:`Consumer`, fixed at start."""
-
-    name: str
-    amqp_url: str
-    mongo_client: AsyncMongoClient[Any] | None
-    database: str | None
-    confirm_timeout: float
-    graceful_timeout: float
-    force_timeout: float
-    inbox: InboxOptions
-    owns_mongo_client: bool
-    telemetry: Telemetry | None = None
 
 
 class _Steps:
@@ -240,16 +241,16 @@ class Consumer:
         )
         self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
         self._outgoing: list[OutgoingMessage] = []
-        self._state = State.NEW
+        self._lifecycle = _Lifecycle()
         self.name = name
 
     def __repr__(self) -> str:
-        return f"<Consumer name={self.name!r} amqp={redact_url(self._settings.amqp_url)!r} state={self._state.value}>"
+        return f"<Consumer name={self.name!r} amqp={redact_url(self._settings.amqp_url)!r} state={self.state}>"
 
     @property
     def state(self) -> str:
         """The lifecycle state: new, starting, running, draining, forcing or stopped."""
-        return self._state.value
+        return self._lifecycle.state.value
 
     @property
     def settings(self) -> ConsumerSettings:
@@ -321,27 +322,22 @@ class Consumer:
         return self._builder.build(MongoScope)
 
     def _require_new(self) -> None:
-        if self._state is not State.NEW:
-            raise ConfigError(f"the consumer is {self._state.value}; configure it before start()")
+        if self._lifecycle.state is not State.NEW:
+            raise ConfigError(f"the consumer is {self.state}; configure it before start()")
 
     async def start(self) -> ManagedConsumer:
         """Declare the topology, prepare the inbox and attach consumers; return the running consumer."""
         self._require_new()
         plan = self.plan()
-        self._state = State.STARTING
-        managed = ManagedConsumer(self._settings, plan, outgoing=self.outgoing, on_stopped=self._stopped)
+        self._lifecycle.enter(State.STARTING)
+        managed = ManagedConsumer(self._settings, plan, outgoing=self.outgoing, lifecycle=self._lifecycle)
         try:
             await managed._start()
         except BaseException:
             # Cancelled or failed mid-start: tear down what started before propagating.
             await _uncancellable(managed._teardown_after_failed_start())
-            self._state = State.STOPPED
             raise
-        self._state = State.RUNNING
         return managed
-
-    def _stopped(self) -> None:
-        self._state = State.STOPPED
 
     async def run(self) -> ShutdownReport:
         """Run until the awaiting task is cancelled; then shut down gracefully and re-raise."""
@@ -371,27 +367,24 @@ class ManagedConsumer:
         plan: Plan,
         *,
         outgoing: tuple[OutgoingMessage, ...] = (),
-        on_stopped: Callable[[], None],
+        lifecycle: _Lifecycle | None = None,
     ) -> None:
+        """``lifecycle``: the state holder of the :class:`Consumer` starting it (a fresh one, starting, if None)."""
         self._settings = settings
         self._outgoing = outgoing
-        self._on_stopped = on_stopped
+        self._lifecycle = lifecycle if lifecycle is not None else _Lifecycle(State.STARTING)
         self.plan = plan
         self._tasks = TaskSet()
         self._connection: aio_pika.abc.AbstractConnection | None = None
-        self._runtime: Runtime | None = None
-        self._inbox: Inbox | None = None
-        self._relay: OutboxRelay | None = None
-        self._state = State.STARTING
+        self._engine: Engine | None = None
         self._stop_requested = asyncio.Event()
         self._force_requested = asyncio.Event()
         self._graceful_timeout = settings.graceful_timeout
         self._force_timeout = settings.force_timeout
         self._supervisor: asyncio.Task[ShutdownReport] = asyncio.get_running_loop().create_future()  # type: ignore[assignment]
-        self._unwatch: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
-        return f"<ManagedConsumer name={self._settings.name!r} state={self._state.value}>"
+        return f"<ManagedConsumer name={self._settings.name!r} state={self.state}>"
 
     async def __aenter__(self) -> ManagedConsumer:
         return self
@@ -403,13 +396,19 @@ class ManagedConsumer:
     @property
     def state(self) -> str:
         """The lifecycle state: starting, running, draining, forcing or stopped."""
-        return self._state.value
+        return self._lifecycle.state.value
+
+    @property
+    def _runtime(self) -> Runtime | None:
+        """The engine's runtime once built (for the library's own tests)."""
+        return self._engine.runtime if self._engine is not None else None
 
     @property
     def ready(self) -> bool:
         """True while running with every consuming channel and the handoff channel open
         (False while starting, reconnecting, draining or stopped): a readiness probe."""
-        return self._state is State.RUNNING and self._runtime is not None and self._runtime.channels_open()
+        engine = self._engine
+        return self._lifecycle.state is State.RUNNING and engine is not None and engine.runtime.channels_open()
 
     @property
     def telemetry(self) -> Telemetry | None:
@@ -417,71 +416,36 @@ class ManagedConsumer:
         return self._settings.telemetry
 
     async def _start(self) -> None:
-        settings = self._settings
-        self._connection = await connect_amqp(settings.amqp_url)
+        self._connection = await connect_amqp(self._settings.amqp_url)
         for options in self.plan.queues.values():
             await declare_topology(self._connection, options)  # checks for a cancel between declarations
         await prepare_destinations(self._connection, self._outgoing)
-        if settings.mongo_client is not None:
-            assert settings.database is not None
-            inbox_options = settings.inbox
-            database = settings.mongo_client[settings.database]
-            self._relay = OutboxRelay(
-                database[inbox_options.outbox],
-                inbox_options.relay,
-                f"{settings.name[:64]}:{uuid.uuid4().hex[:12]}",
-                telemetry=settings.telemetry,
-            )
-            self._inbox = Inbox(
-                settings.mongo_client,
-                settings.database,
-                inbox_options,
-                owner_prefix=settings.name,
-                on_outbox_commit=self._relay.wake,
-                telemetry=settings.telemetry,
-            )
-            try:
-                await self._inbox.prepare()
-                await self._relay.prepare(passive=inbox_options.passive_indexes)
-            except PyMongoError as exc:
-                raise TransportError(f"MongoDB refused the inbox set-up: {type(exc).__name__}: {exc}"[:500]) from exc
-            self._inbox.start(self._tasks)
-        self._runtime = Runtime(
-            self.plan,
-            self._connection,
-            self._tasks,
-            inbox=self._inbox,
-            confirm_timeout=settings.confirm_timeout,
-            telemetry=settings.telemetry,
+        self._engine = await build_engine(
+            self._settings, self.plan, self._tasks, state=lambda: self.state, connection=self._connection
         )
-        if settings.telemetry is not None:  # observable instruments read the snapshot when collected
-            names = tuple(self.plan.queues)
-            self._unwatch = settings.telemetry.watch(lambda: (self.snapshot(), names))
-        if isinstance(self._connection, aio_pika.abc.AbstractRobustConnection):
-            runtime = self._runtime
-            self._connection.reconnect_callbacks.add(lambda *_: runtime.on_reconnect())
-        await self._runtime.start()
-        if self._relay is not None and settings.inbox.run_relay:
-            await self._relay.start(self._connection, settings.confirm_timeout, self._tasks)
+        await self._engine.start(self._connection, self._tasks)
         raise_if_cancel_requested()  # a cancel the AMQP library absorbed on the way still stops the start
-        self._state = State.RUNNING
+        self._lifecycle.enter(State.RUNNING)
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="lily-supervisor")
 
     async def _teardown_after_failed_start(self) -> None:
-        if self._runtime is not None:
-            await self._runtime.stop_intake()
-        if self._relay is not None:
-            await self._relay.stop(1.0)
-        for task in self._tasks.pending():
-            task.cancel()
-        await self._tasks.join(self._tasks.pending(), 5.0)
-        if self._connection is not None:
-            await self._connection.close()
-        if self._settings.owns_mongo_client and self._settings.mongo_client is not None:
-            await self._settings.mongo_client.close()
-        if self._unwatch is not None:
-            self._unwatch()
-        self._state = State.STOPPED
+        engine = self._engine
+        try:
+            if engine is not None:
+                await engine.runtime.stop_intake()
+                if engine.relay is not None:
+                    await engine.relay.stop(1.0)
+            for task in self._tasks.pending():
+                task.cancel()
+            await self._tasks.join(self._tasks.pending(), 5.0)
+            if self._connection is not None:
+                await self._connection.close()
+            if self._settings.owns_mongo_client and self._settings.mongo_client is not None:
+                await self._settings.mongo_client.close()
+            if engine is not None:
+                engine.unwatch()
+        finally:
+            self._lifecycle.enter(State.STOPPED)
 
     # -- observers ----------------------------------------------------------------------
 
@@ -529,20 +493,13 @@ class ManagedConsumer:
 
     def snapshot(self) -> Snapshot:
         """Bounded aggregate state: counts only, never payloads, ids, names or endpoints."""
-        runtime, relay = self._runtime, self._relay
-        return Snapshot(
-            state=self._state.value,
-            transport_generation=runtime.generation if runtime else 0,
-            queues=runtime.snapshots() if runtime else (),
-            outbox_pending=relay.pending if relay else None,
-            outbox_failed=relay.failed if relay else None,
-            outbox_published=relay.published if relay else 0,
-            outbox_unroutable=relay.unroutable if relay else 0,
-        )
+        if self._engine is None:
+            return Snapshot(self.state, 0, (), outbox_pending=None, outbox_failed=None, outbox_published=0)
+        return self._engine.snapshot(self.state)
 
     def delivery_terminal_observations(self) -> tuple[TerminalObservation, ...]:
         """The last <= 4096 terminal outcomes, oldest first (may include event ids)."""
-        return self._runtime.observations.items() if self._runtime else ()
+        return self._engine.runtime.observations.items() if self._engine is not None else ()
 
     # -- the supervisor -----------------------------------------------------------------
 
@@ -551,11 +508,12 @@ class ManagedConsumer:
         return await self._shutdown_sequence()
 
     async def _shutdown_sequence(self) -> ShutdownReport:
-        runtime = self._runtime
-        assert runtime is not None
+        engine = self._engine
+        assert engine is not None
         assert self._connection is not None
+        runtime = engine.runtime
         steps = _Steps()
-        self._state = State.DRAINING
+        self._lifecycle.enter(State.DRAINING)
 
         async def stop_intake() -> bool:
             errors = await runtime.stop_intake()
@@ -582,7 +540,7 @@ class ManagedConsumer:
 
         forced = not await steps.run("drain", drain)
         if forced:
-            self._state = State.FORCING
+            self._lifecycle.enter(State.FORCING)
 
             async def force() -> bool:
                 # The notice: cancel handler executions, but keep settlement authority
@@ -599,8 +557,8 @@ class ManagedConsumer:
                 return not still
 
             await steps.run("force", force)
-        if self._relay is not None:
-            relay = self._relay
+        if engine.relay is not None:
+            relay = engine.relay
 
             async def relay_stop() -> bool:
                 return await relay.stop(self._force_timeout)
@@ -636,10 +594,8 @@ class ManagedConsumer:
             await steps.run("mongo_client_close", mongo_close)
         settled: collections.Counter[str] = runtime.settled_during_shutdown
         unresolved = settled.get(Terminal.UNRESOLVED.value, 0)
-        if self._unwatch is not None:
-            self._unwatch()
-        self._state = State.STOPPED
-        self._on_stopped()
+        engine.unwatch()
+        self._lifecycle.enter(State.STOPPED)
         succeeded = unresolved == 0 and all(a.ok and a.observed for a in steps.actions if a.name not in ("drain",))
         return ShutdownReport(
             actions=tuple(steps.actions),

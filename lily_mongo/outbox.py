@@ -12,7 +12,6 @@ the holder of its claim, and downstream consumers deduplicate by event id.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import datetime
 import functools
@@ -22,15 +21,18 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Unpack, cast
 
 from bson import Binary
 from pymongo import ReturnDocument
 from pymongo.errors import PyMongoError
 
 from ._amqp import basic_publish
+from ._backoff import backoff
 from ._checks import check_int, check_seconds
+from ._lru import Lru
 from ._mongo import ensure_index
+from ._observer import NO_OBSERVER, Observer
 from ._tasks import TaskSet
 from .errors import ConfigError, PublishError, ScopeClosedError
 from .publisher import CustomPublishContent, PublishOptions, TypedPublishing, prepare_publication
@@ -39,8 +41,6 @@ if TYPE_CHECKING:
     import aio_pika.abc
     from pymongo.asynchronous.client_session import AsyncClientSession
     from pymongo.asynchronous.collection import AsyncCollection
-
-    from .telemetry import Telemetry
 
 __all__ = ["Outbox", "OutboxRelay", "RelayOptions", "Send"]
 
@@ -56,7 +56,7 @@ def utcnow() -> datetime.datetime:
 class Outbox(TypedPublishing):
     """Outgoing messages of one attempt, written in its transaction. Valid for that attempt only."""
 
-    __slots__ = ("_collection", "_handler_id", "_is_open", "_max_body", "_session", "_telemetry", "written")
+    __slots__ = ("_collection", "_handler_id", "_is_open", "_max_body", "_observer", "_session", "written")
 
     def __init__(
         self,
@@ -66,10 +66,10 @@ class Outbox(TypedPublishing):
         handler_id: str,
         max_body: int,
         is_open: Callable[[], bool],
-        telemetry: Telemetry | None = None,
+        observer: Observer = NO_OBSERVER,
     ) -> None:
         self._collection = collection
-        self._telemetry = telemetry
+        self._observer = observer
         self._session = session
         self._handler_id = handler_id
         self._max_body = max_body
@@ -91,13 +91,7 @@ class Outbox(TypedPublishing):
         """Stage a message with a custom content contract; it is published after the commit."""
         if not self._is_open():
             raise ScopeClosedError("the outbox of a finished attempt cannot be used")
-        if self._telemetry is not None and "traceparent" not in options:
-            # The record keeps the attempt's trace context: the relay publishes in that trace.
-            context = self._telemetry.trace_headers()
-            if "traceparent" in context:
-                options["traceparent"] = context["traceparent"]
-                if "tracestate" in context:
-                    options["tracestate"] = context["tracestate"]
+        self._observer.outbox_record(cast("dict[str, Any]", options))  # it may add the trace context
         publication = prepare_publication(
             content, routing_key, payload, version=version, max_body=self._max_body, **options
         )
@@ -157,7 +151,7 @@ class RelayOptions:
 
 # At most one warning per destination this often, however many of its records are refused.
 UNROUTABLE_WARNING_INTERVAL = 60.0
-_WARNED_DESTINATIONS = 256  # destinations remembered for rate limiting (least recently warned forgotten)
+_WARNED_DESTINATIONS = 256  # destinations remembered for rate limiting (least recently refused forgotten)
 
 
 class Send(Protocol):
@@ -200,10 +194,10 @@ class OutboxRelay:
     """
 
     def __init__(
-        self, collection: AsyncCollection[Any], options: RelayOptions, owner: str, *, telemetry: Telemetry | None = None
+        self, collection: AsyncCollection[Any], options: RelayOptions, owner: str, *, observer: Observer = NO_OBSERVER
     ) -> None:
         self._collection = collection
-        self._telemetry = telemetry
+        self._observer = observer
         self._options = options
         self._owner = owner
         self._wake = asyncio.Event()
@@ -216,7 +210,7 @@ class OutboxRelay:
         self.published = 0
         self.unroutable = 0
         # (exchange, routing key) -> (monotonic time of its last warning, refusals since)
-        self._warned: collections.OrderedDict[tuple[str, str], tuple[float, int]] = collections.OrderedDict()
+        self._warned: Lru[tuple[str, str], tuple[float, int]] = Lru(_WARNED_DESTINATIONS)
 
     async def prepare(self, *, passive: bool) -> None:
         """Create the relay's indexes (idempotent), or only verify them in passive mode."""
@@ -333,17 +327,7 @@ class OutboxRelay:
                 body=bytes(record["body"]),
                 content_type=record.get("content_type"),
             )
-            if self._telemetry is None:
-                await publish(headers=record["headers"])
-            else:  # a PRODUCER span, child of the context the record stored (the attempt that wrote it)
-                await self._telemetry.produce(
-                    lambda headers: publish(headers=headers),
-                    exchange=record["exchange"],
-                    routing_key=record["routing_key"],
-                    headers=record["headers"],
-                    operation="relay",
-                    enqueued_at=record.get("created_at"),
-                )
+            await self._observer.relay_publish(lambda headers: publish(headers=headers), record)
         except Exception as exc:
             # Any failure of one record (broker refusal, a record that cannot be encoded
             # or is malformed) is a failed attempt of that record; the relay goes on.
@@ -362,11 +346,13 @@ class OutboxRelay:
                     attempts,
                     kind,
                 )
-            delay = min(self._options.backoff_base * 2 ** (attempts - 1), self._options.backoff_max)
+            delay = backoff(
+                attempts - 1, base=self._options.backoff_base, cap=self._options.backoff_max, jitter=random.random()
+            )
             update: dict[str, Any] = {
                 "attempts": attempts,
                 "last_error": f"publish {kind}",
-                "available_at": utcnow() + datetime.timedelta(seconds=delay * random.uniform(0.8, 1.2)),
+                "available_at": utcnow() + datetime.timedelta(seconds=delay),
                 "status": "failed" if failed else "pending",
             }
             try:
@@ -374,7 +360,7 @@ class OutboxRelay:
             except PyMongoError:
                 log.warning("outbox record could not be updated after a failed publish", exc_info=True)
             return
-        self._warned.pop((str(record.get("exchange", "")), str(record.get("routing_key", ""))), None)
+        self._warned.forget((str(record.get("exchange", "")), str(record.get("routing_key", ""))))
         now = utcnow()
         try:
             marked = await self._collection.update_one(
@@ -401,12 +387,9 @@ class OutboxRelay:
         now = time.monotonic()
         last, since = self._warned.get(key, (-UNROUTABLE_WARNING_INTERVAL, 0))
         if now - last < UNROUTABLE_WARNING_INTERVAL:
-            self._warned[key] = (last, since + 1)
+            self._warned.put(key, (last, since + 1))
             return
-        self._warned[key] = (now, 0)
-        self._warned.move_to_end(key)
-        while len(self._warned) > _WARNED_DESTINATIONS:
-            self._warned.popitem(last=False)
+        self._warned.put(key, (now, 0))
         log.warning(
             "outbox: the broker returned a record for %s as unroutable: no queue receives it. Declare the "
             "destination (the consuming service's queue, or a binding) or fix the routing key; the relay retries "

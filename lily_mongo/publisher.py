@@ -21,6 +21,7 @@ import aio_pika.abc
 from ._amqp import basic_publish
 from ._checks import check_amqp_url, check_seconds
 from ._connect import connect_amqp
+from ._observer import NO_OBSERVER, Observer
 from ._text import describe_value
 from .bounds import BOUNDS
 from .content import BINARY, JSON, TEXT, CustomPublishContent, encode_json
@@ -223,7 +224,7 @@ class Publisher(TypedPublishing):
         self._channel = channel
         self._connection: aio_pika.abc.AbstractConnection | None = None
         self._confirm_timeout = confirm_timeout
-        self._telemetry = resolve_telemetry(telemetry)
+        self._observer: Observer = resolve_telemetry(telemetry) or NO_OBSERVER
         self._state = _State.OPEN if channel is not None else _State.NEW
 
     def __repr__(self) -> str:
@@ -272,17 +273,13 @@ class Publisher(TypedPublishing):
             content_type=publication.content_type,
             timeout=self._confirm_timeout,
         )
-        if self._telemetry is None:
-            await publish(headers=publication.headers)
-        else:
-            await self._telemetry.produce(
-                lambda headers: publish(headers=headers),
-                exchange=publication.exchange,
-                routing_key=publication.routing_key,
-                headers=publication.headers,
-                operation="publish",
-                attributes={"messaging.message.id": str(publication.event_id)},
-            )
+        await self._observer.publish(
+            lambda headers: publish(headers=headers),
+            exchange=publication.exchange,
+            routing_key=publication.routing_key,
+            headers=publication.headers,
+            event_id=publication.event_id,
+        )
         return publication.event_id
 
     async def publish[T](

@@ -15,6 +15,12 @@ handler (through the inbox for inbox handlers) under the delivery deadline,
 then drives :func:`settlement.settle`, performing its steps on the delivery's
 own channel: every ACK/NACK is written at most once, and only while that
 channel is alive and authority has not been revoked by a forced shutdown.
+
+Two small state machines, each moving only forward: the engine's :class:`Phase`
+(changed only by :meth:`Runtime._enter`) and each delivery's :class:`Stage`.
+The deadline path (docs/lifecycle.md, section 5) is one method,
+:meth:`Runtime._enforce_deadline`. A delivery's state (:class:`_Delivery`) is
+apart from the effects its settlement performs (:class:`_Effects`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ import aio_pika.abc
 import aiormq.abc
 
 from ._amqp import AckCoalescer, InboundMessage, republish, unbounded_frame_queue
+from ._backoff import backoff
+from ._lru import LruCounter
+from ._observer import NO_DELIVERY, NO_OBSERVER, DeliveryObserver, Observer
 from ._tasks import TaskSet
 from ._text import truncate_utf8
 from .bounds import BOUNDS
@@ -64,13 +73,16 @@ from .settlement import (
 if TYPE_CHECKING:
     from .extractors import RawDelivery
     from .inbox import Inbox, MongoScope
-    from .telemetry import DeliveryTrace, Telemetry
 
-__all__ = ["Handoff", "Phase", "Received", "Runtime"]
+__all__ = ["Handoff", "Phase", "Received", "Runtime", "Stage"]
 
 log = logging.getLogger("lily_mongo")
 
-_COUNTER_MEMORY = 4096
+_COUNTER_MEMORY = 4096  # events remembered per queue for the handoff-failure and deferral counts
+# The pause before a requeue (docs/settlement.md, section 4): 0.05 s doubling per deferral
+# (or handoff failure) so far, capped at 2 s, at least half of that.
+_REQUEUE_PAUSE_BASE = 0.05
+_REQUEUE_PAUSE_CAP = 2.0
 _UNRESOLVED = Terminal.UNRESOLVED.value
 _ACKED = Terminal.ACKED.value
 # Terminal outcomes an operator must hear about (one line each); the others are logged at DEBUG.
@@ -111,6 +123,29 @@ class Phase(enum.Enum):
     REVOKED = 4  # settlement authority revoked: nothing more is written
 
 
+class Stage(enum.Enum):
+    """Where one delivery is; each stage only ever moves forward (docs/lifecycle.md, section 5).
+
+    ``RECEIVED`` → ``EXECUTING`` → ``SETTLING`` → ``FINISHED`` is the usual path (a
+    delivery refused while preparing goes straight to ``SETTLING``). Past its deadline an
+    execution is ``CUT_OFF``: it was cancelled, and either ends within the cooperation window
+    (``SETTLING``, in its own task) or is ``DROPPED`` and settled from another task. After a
+    forced shutdown any stage may jump to ``FINISHED``, recorded unresolved.
+    """
+
+    RECEIVED = 0  # admitted: envelope, handler and payload are being prepared
+    EXECUTING = 1  # the handler runs, under the delivery deadline
+    CUT_OFF = 2  # past the deadline: its task was cancelled, the cooperation window runs
+    SETTLING = 3  # the execution has its verdict: the delivery's own task settles it
+    DROPPED = 4  # the handler ignored the cancellation: another task settles the delivery
+    FINISHED = 5  # its permit came back and its terminal outcome was recorded
+
+
+# The hot path reads these as globals (an enum member's attribute lookup costs more).
+_RECEIVED, _EXECUTING, _CUT_OFF, _SETTLING, _DROPPED, _FINISHED = Stage
+_RUNNING, _FORCING, _REVOKED = Phase.RUNNING, Phase.FORCING, Phase.REVOKED
+
+
 class QueueRuntime:
     """Per physical queue state: options, channel, buffer, permits, counters."""
 
@@ -125,9 +160,9 @@ class QueueRuntime:
         self.acks: AckCoalescer | None = None  # the current channel's ACK coalescer (ack_delay > 0)
         self.in_flight = 0
         self.counters = QueueCounters()
-        self.handoff_failures: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.handoff_failures: LruCounter[bytes] = LruCounter(_COUNTER_MEMORY)
         self.dlq_unroutable = False
-        self.deferral_counts: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.deferral_counts: LruCounter[bytes] = LruCounter(_COUNTER_MEMORY)
 
     def snapshot(self) -> QueueSnapshot:
         c = self.counters
@@ -149,79 +184,87 @@ class QueueRuntime:
 
 @dataclass(slots=True, eq=False)
 class _Delivery:
-    """One admitted delivery: shared by its worker and the deadline sweeper, and the
-    :class:`settlement.SettleEffects` that :func:`settlement.settle` performs its steps through."""
+    """One admitted delivery's state: shared by its worker, the deadline sweeper and, once
+    dropped, the task that settles it."""
 
-    runtime: Runtime
     qr: QueueRuntime
     message: Received
     received_at: float = dataclasses.field(default_factory=time.time)
     started: float = dataclasses.field(default_factory=time.monotonic)
+    stage: Stage = Stage.RECEIVED
     envelope: Envelope | None = None
     handler_id: str | None = None
     execution: Execution | None = None
-    executing: bool = False
-    deadline_at: float = 0.0
-    deadline_hit: bool = False
-    dropped: bool = False
-    finished: bool = False
-    settle_task: asyncio.Task[Any] | None = None
+    executing_since: float = 0.0  # time.monotonic() when the execution started (its deadline counts from it)
+    settle_task: asyncio.Task[Any] | None = None  # set once dropped: the task settling it instead of its own
     failure_key: bytes = b""
-    trace: DeliveryTrace | None = None  # set only while telemetry is on
+    trace: DeliveryObserver = NO_DELIVERY
 
-    # -- settlement effects -------------------------------------------------------------------
+
+class _Effects:
+    """The :class:`settlement.SettleEffects` of one delivery: what :func:`settlement.settle`
+    performs its steps through (the delivery's channel, the runtime's handoff channel)."""
+
+    __slots__ = ("delivery", "runtime")
+
+    def __init__(self, runtime: Runtime, delivery: _Delivery) -> None:
+        self.runtime = runtime
+        self.delivery = delivery
 
     def authority(self) -> bool:
-        return self.runtime.phase is not Phase.REVOKED and not self.message.channel.is_closed
+        return self.runtime.phase is not _REVOKED and not self.delivery.message.channel.is_closed
 
     async def handoff(self, step: Step, budget: Budget) -> bool:
-        qr = self.qr
+        delivery = self.delivery
+        qr = delivery.qr
         try:
-            await self.runtime.publish_handoff(qr, self.message, self.envelope, step, budget, trace=self.trace)
+            await self.runtime.publish_handoff(delivery, step, budget)
         except PublishError as exc:
             to_dlq = step.kind is StepKind.PUBLISH_DLQ
             qr.counters.handoff_failures += 1
-            event_id = self.envelope.event_id if self.envelope else None
+            event_id = delivery.envelope.event_id if delivery.envelope else None
             log.warning(
                 "handoff to %s failed: %s (queue=%s handler=%s event_id=%s outcome=%s code=%s)",
                 "the DLQ" if to_dlq else "a retry bucket",
                 exc.kind,
                 qr.options.name,
-                self.handler_id,
+                delivery.handler_id,
                 event_id,
                 "handoff_failed",
                 step.code,
-                extra=_log_fields(qr.options.name, self.handler_id, event_id, "handoff_failed", step.code),
+                extra=_log_fields(qr.options.name, delivery.handler_id, event_id, "handoff_failed", step.code),
             )
-            _bump(qr.handoff_failures, self.failure_key)
+            qr.handoff_failures.bump(delivery.failure_key)
             if to_dlq and exc.kind == "unroutable":
                 qr.dlq_unroutable = True
             return False
-        qr.handoff_failures.pop(self.failure_key, None)
+        qr.handoff_failures.forget(delivery.failure_key)
         if step.kind is StepKind.PUBLISH_DLQ:
             qr.dlq_unroutable = False
         return True
 
     def dead_letter_fallback(self) -> bool:
-        return not self.qr.dlq_unroutable
+        return not self.delivery.qr.dlq_unroutable
 
     async def pause_before_requeue(self, budget: Budget, evidence: Evidence) -> None:
         """Short jittered pause before a requeue so a held lease does not cause a hot loop."""
         count = budget.deferrals if evidence.handoff is not HandoffState.FAILED else budget.handoff_failures
-        delay = min(0.05 * (2 ** min(count, 6)), 2.0) * random.uniform(0.5, 1.0)
-        limit = self.execution.backoff_limit if self.execution is not None else None
+        delay = backoff(count, base=_REQUEUE_PAUSE_BASE, cap=_REQUEUE_PAUSE_CAP, jitter=random.random())
+        execution = self.delivery.execution
+        limit = execution.backoff_limit if execution is not None else None
         if limit is not None:
             delay = min(delay, max(limit, 0.0))
-        await asyncio.sleep(float(min(delay, self.qr.options.cooperation_window)))
+        await asyncio.sleep(float(min(delay, self.delivery.qr.options.cooperation_window)))
 
     async def write(self, kind: StepKind) -> bool:
+        message = self.delivery.message
         try:
             if kind is StepKind.ACK:
-                await self.message.ack()
+                await message.ack()
             elif kind is StepKind.NACK_REQUEUE:
-                await self.message.nack(requeue=True)
+                await message.nack(requeue=True)
             else:
-                await self.message.reject(requeue=False)
+                await message.reject(requeue=False)
         except Exception as exc:
             log.warning("settlement %s failed: %s", kind.value, type(exc).__name__)
             return False
@@ -240,17 +283,18 @@ class Runtime:
         inbox: Inbox | None,
         confirm_timeout: float,
         handoff: Handoff | None = None,
-        telemetry: Telemetry | None = None,
+        observer: Observer = NO_OBSERVER,
     ) -> None:
         """``connection`` is the AMQP connection to consume from; None for an in-process
-        transport, which feeds :meth:`deliver` and passes its own ``handoff``."""
+        transport, which feeds :meth:`deliver` and passes its own ``handoff``. ``observer``
+        is what the engine reports to (a :class:`~lily_mongo.telemetry.Telemetry`, or nothing)."""
         self.plan = plan
         self.connection = connection
         self._handoff: Handoff = handoff or self._handoff_on_channel
         self.tasks = tasks
         self.inbox = inbox
         self.confirm_timeout = confirm_timeout
-        self.telemetry = telemetry
+        self.observer = observer
         self.queues = {name: QueueRuntime(i, opts) for i, (name, opts) in enumerate(plan.queues.items())}
         self.observations = ObservationLog()
         self.handoff_channel: aio_pika.abc.AbstractChannel | None = None
@@ -262,12 +306,17 @@ class Runtime:
 
     @property
     def accepting(self) -> bool:
-        return self.phase is Phase.RUNNING
+        return self.phase is _RUNNING
+
+    def _enter(self, phase: Phase) -> None:
+        """Move on to ``phase``; a phase the engine is already at or past changes nothing."""
+        if phase.value > self.phase.value:
+            self.phase = phase
 
     # -- start / intake -----------------------------------------------------------------
     def open_in_process(self) -> None:
         """Accept deliveries through :meth:`deliver` (an in-process transport; no AMQP)."""
-        self.phase = Phase.RUNNING
+        self._enter(Phase.RUNNING)
         self.tasks.spawn(self._sweep_deadlines(), name="lily-deadlines")
 
     async def deliver(self, queue: str, message: Received) -> None:
@@ -280,12 +329,12 @@ class Runtime:
         qr.counters.received += 1
         qr.free_permits -= 1
         qr.in_flight += 1
-        state = _Delivery(self, qr, message)
+        delivery = _Delivery(qr, message)
         task = asyncio.current_task()
         assert task is not None
-        self.deliveries[task] = state
+        self.deliveries[task] = delivery
         try:
-            await self._deliver(state)
+            await self._deliver(delivery)
         finally:
             self.deliveries.pop(task, None)
 
@@ -294,7 +343,7 @@ class Runtime:
         assert self.connection is not None
         self._transport = getattr(self.connection, "transport", None)
         self.handoff_channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
-        self.phase = Phase.RUNNING
+        self._enter(Phase.RUNNING)
         self.tasks.spawn(self._sweep_deadlines(), name="lily-deadlines")
         for qr in self.queues.values():
             channel = await self.connection.channel(publisher_confirms=False)
@@ -311,7 +360,7 @@ class Runtime:
         underlay = await qr.channel.get_underlay_channel()
         unbounded_frame_queue(underlay)
         # One coalescer per channel object: a reopened channel gets a fresh one, so no ACK
-        # marked on the old channel is ever written on the new (SPEC section 3, generations).
+        # marked on the old channel is ever written on the new (docs/settlement.md, generations).
         acks = None
         if qr.options.ack_delay > 0:
             acks = AckCoalescer(underlay, qr.options.ack_delay, functools.partial(self.tasks.spawn, name="lily-acks"))
@@ -388,7 +437,7 @@ class Runtime:
         when a channel closes never reaches a running handler.
         """
         qr.in_flight += 1
-        self.tasks.spawn(self._worker(qr, _Delivery(self, qr, message)), name="lily-worker", eager=True)
+        self.tasks.spawn(self._worker(qr, _Delivery(qr, message)), name="lily-worker", eager=True)
 
     def _take_buffered(self, qr: QueueRuntime) -> _Delivery | None:
         """A buffered delivery with a permit taken for it, or None."""
@@ -396,7 +445,7 @@ class Runtime:
             return None
         qr.free_permits -= 1
         qr.in_flight += 1
-        return _Delivery(self, qr, qr.buffer.popleft())
+        return _Delivery(qr, qr.buffer.popleft())
 
     def _kick(self, qr: QueueRuntime) -> None:
         """Admit buffered work after a permit came back outside a worker (a dropped delivery)."""
@@ -414,26 +463,25 @@ class Runtime:
         """
         task = asyncio.current_task()
         assert task is not None
-        state: _Delivery | None = first
-        while state is not None:
-            self.deliveries[task] = state
+        delivery: _Delivery | None = first
+        while delivery is not None:
+            self.deliveries[task] = delivery
             try:
-                await self._deliver(state)
+                await self._deliver(delivery)
             except Exception:  # never expected: _deliver settles or records every outcome
                 log.exception("lily_mongo delivery failed unexpectedly")
             finally:
                 self.deliveries.pop(task, None)
-            if state.dropped:
-                return
-            state = self._take_buffered(qr)
+            if delivery.settle_task is not None:
+                return  # dropped at its deadline: its permit went on without this worker
+            delivery = self._take_buffered(qr)
 
     # -- shutdown steps (called by the lifecycle supervisor, in this order) ---------------
 
     async def stop_intake(self) -> list[BaseException]:
         """Cancel consumers, stop admission and return buffered (unstarted) deliveries."""
         errors: list[BaseException] = []
-        if self.phase.value < Phase.DRAINING.value:
-            self.phase = Phase.DRAINING
+        self._enter(Phase.DRAINING)
         for qr in self.queues.values():
             if qr.consumer_tag is not None and qr.channel and not qr.channel.is_closed:
                 try:
@@ -448,15 +496,14 @@ class Runtime:
 
     def force_notice(self) -> None:
         """The force notice: cancel running handlers; their deliveries may still settle."""
-        if self.phase.value < Phase.FORCING.value:
-            self.phase = Phase.FORCING
-        for task, state in list(self.deliveries.items()):
-            if state.executing:
+        self._enter(Phase.FORCING)
+        for task, delivery in list(self.deliveries.items()):
+            if delivery.stage is _EXECUTING or delivery.stage is _CUT_OFF:
                 task.cancel()
 
     def revoke(self) -> None:
         """Revoke settlement authority: from now on no ACK, NACK or handoff is written."""
-        self.phase = Phase.REVOKED
+        self._enter(Phase.REVOKED)
         for qr in self.queues.values():
             if qr.acks is not None:  # ACKs marked but not written are not written now
                 qr.acks.drop("settlement authority revoked")
@@ -464,7 +511,7 @@ class Runtime:
     async def close_channels(self) -> bool:
         """Write pending ACKs (unless revoked), then close the consuming and handoff channels;
         True once all of them are closed."""
-        if self.phase is not Phase.REVOKED:
+        if self.phase is not _REVOKED:
             for qr in self.queues.values():
                 if qr.acks is not None and qr.channel is not None and not qr.channel.is_closed:
                     try:
@@ -487,73 +534,77 @@ class Runtime:
     def unsettled(self) -> set[asyncio.Task[Any]]:
         """Delivery tasks whose delivery has not reached a terminal outcome yet (zombies excluded)."""
         pending: set[asyncio.Task[Any]] = set()
-        for task, state in self.deliveries.items():
-            if not state.finished:
-                # A dropped delivery is being settled by its own task; wait for that one.
-                pending.add(state.settle_task if state.settle_task is not None else task)
+        for task, delivery in self.deliveries.items():
+            if delivery.stage is not _FINISHED:
+                # A dropped delivery is being settled by a task of its own; wait for that one.
+                pending.add(delivery.settle_task if delivery.settle_task is not None else task)
         return pending
 
     def abandon_unfinished(self) -> int:
-        """After a forced shutdown: record every delivery that could not settle as unresolved."""
+        """After a forced shutdown: record every delivery that could not settle as unresolved.
+
+        Its task, if it ever goes on, finds the delivery finished and discards what it returns.
+        """
         count = 0
-        for state in list(self.deliveries.values()):
-            if not state.finished:
-                state.dropped = True
-                self._finish(state, None, None)
+        for delivery in list(self.deliveries.values()):
+            if delivery.stage is not _FINISHED:
+                self._finish(delivery, None, None)
                 count += 1
         return count
 
     # -- one delivery -------------------------------------------------------------------
 
-    async def _deliver(self, state: _Delivery) -> None:
+    async def _deliver(self, delivery: _Delivery) -> None:
         """One delivery: prepare, execute (inline, under the deadline), settle, observe."""
-        qr = state.qr
+        qr = delivery.qr
         step: Step | None = None
         evidence: Evidence | None = None
-        telemetry = self.telemetry
         try:
-            if telemetry is not None:
-                state.trace = telemetry.delivery_started(qr.options.name, state.message.headers)
-            prepared = prepare(self.plan, qr.options, state.message)
+            delivery.trace = self.observer.delivery_started(qr.options.name, delivery.message.headers)
+            prepared = prepare(self.plan, qr.options, delivery.message)
             if isinstance(prepared, Prepared):
-                state.envelope, state.handler_id = prepared.delivery.envelope, prepared.route.handler_id
-                state.execution = await self._execute_under_deadline(state, prepared)
-                if state.trace is not None:  # the execution started at its deadline less the queue's deadline
-                    state.trace.executed(state.deadline_at - qr.options.deadline)
-                if state.dropped:
-                    return  # the drop path settles it; this late result is discarded
+                delivery.envelope, delivery.handler_id = prepared.delivery.envelope, prepared.route.handler_id
+                execution = await self._execute(delivery, prepared)
+                if delivery.stage is not _SETTLING:
+                    return  # dropped (or abandoned): settled elsewhere, this late result is discarded
+                delivery.execution = execution
+                delivery.trace.executed(delivery.executing_since)
             else:
-                state.execution = Execution(prepared.result)
-                state.envelope = prepared.envelope
-            step, evidence = await self._settle(state)
+                delivery.stage = _SETTLING
+                delivery.execution = Execution(prepared.result)
+                delivery.envelope = prepared.envelope
+            step, evidence = await self._settle(delivery)
         finally:
-            if not state.dropped:
-                self._finish(state, step, evidence)
-            if state.trace is not None:
-                state.trace.detach()
+            if delivery.settle_task is None:  # not dropped: this task finishes it
+                self._finish(delivery, step, evidence)
+            delivery.trace.detach()
 
-    async def _execute_under_deadline(self, state: _Delivery, prepared: Prepared) -> Execution:
-        """Run the handler in this task; at the cutoff the sweeper cancels it, and after the
-        cooperation window drops it (settles from another task) if it ignores the cancellation."""
-        options = state.qr.options
-        state.deadline_at = asyncio.get_running_loop().time() + options.deadline
-        state.executing = True
+    async def _execute(self, delivery: _Delivery, prepared: Prepared) -> Execution:
+        """Run the handler in this task (``EXECUTING``), to its verdict (``SETTLING``).
+
+        Past its deadline it is cancelled (:meth:`_enforce_deadline`): the cancellation it
+        lets through becomes the timeout verdict; at a force notice, the shutdown verdict.
+        """
+        options = delivery.qr.options
+        delivery.executing_since = time.monotonic()
+        delivery.stage = _EXECUTING
         try:
-            route, delivery, payload = prepared.route, prepared.delivery, prepared.payload
+            route, raw, payload = prepared.route, prepared.delivery, prepared.payload
             if route.guarantee == "inbox":
                 assert self.inbox is not None
                 return await self.inbox.execute(
-                    route, delivery, payload, functools.partial(self._inbox_attempt, route, delivery, options)
+                    route, raw, payload, functools.partial(self._inbox_attempt, route, raw, options)
                 )
-            result = await invoke(route, delivery, attempt=1, payload=payload, unknown_errors=options.unknown_errors)
+            result = await invoke(route, raw, attempt=1, payload=payload, unknown_errors=options.unknown_errors)
             return Execution(result, attempts=1)
         except asyncio.CancelledError:
-            if self.phase is Phase.REVOKED or not (state.deadline_hit or self.phase is Phase.FORCING):
+            cut_off = delivery.stage is _CUT_OFF
+            if self.phase is _REVOKED or not (cut_off or self.phase is _FORCING):
                 raise
             task = asyncio.current_task()
             if task is None or task.uncancel() > 0:
                 raise  # cancelled by someone else as well
-            if state.deadline_hit:
+            if cut_off:
                 reason = f"handler exceeded the delivery deadline of {options.deadline:g} s"
                 return Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_TIMEOUT, reason), attempts=1)
             # A forced shutdown is an infrastructure event, not an application failure:
@@ -561,7 +612,8 @@ class Runtime:
             reason = "cancelled by a forced shutdown"
             return Execution(PipelineResult(Outcome.DEFERRED, ErrorCode.SHUTDOWN, reason), attempts=1)
         finally:
-            state.executing = False
+            if delivery.stage is _EXECUTING or delivery.stage is _CUT_OFF:  # not dropped meanwhile
+                delivery.stage = _SETTLING
 
     def _inbox_attempt(
         self, route: Any, delivery: RawDelivery, options: QueueOptions, attempt: int, scope: MongoScope, payload: Any
@@ -578,23 +630,24 @@ class Runtime:
             passthrough=self.inbox.passthrough,
         )
 
-    async def _settle(self, state: _Delivery) -> tuple[Step, Evidence]:
-        """Drive :func:`settlement.settle` with this delivery's budget and its channel as the effects."""
-        execution = state.execution
+    async def _settle(self, delivery: _Delivery) -> tuple[Step, Evidence]:
+        """Drive :func:`settlement.settle` with this delivery's budget and its effects."""
+        execution = delivery.execution
         assert execution is not None
         result = execution.result
+        effects = _Effects(self, delivery)
         if result.outcome is Outcome.SUCCESS or result.outcome is Outcome.DUPLICATE:
-            return await settle(result, NO_BUDGET, state)  # the budget only shapes failure paths
-        qr, options, envelope = state.qr, state.qr.options, state.envelope
-        state.failure_key = key = _failure_key(state.message, envelope)
+            return await settle(result, NO_BUDGET, effects)  # the budget only shapes failure paths
+        qr, options, envelope = delivery.qr, delivery.qr.options, delivery.envelope
+        delivery.failure_key = key = _failure_key(delivery.message, envelope)
         deferrals = execution.deferrals
         if result.outcome is Outcome.DEFERRED:
             qr.counters.deferrals += 1
             # The inbox record counts lease deferrals; deferrals that never reached a
             # record (database unavailable, forced shutdown) are counted here, and a quorum
             # queue's x-delivery-count bounds them across processes too.
-            local = _bump(qr.deferral_counts, key)
-            delivery_count = state.message.headers.get(DELIVERY_COUNT_HEADER)
+            local = qr.deferral_counts.bump(key)
+            delivery_count = delivery.message.headers.get(DELIVERY_COUNT_HEADER)
             broker = delivery_count if type(delivery_count) is int else 0
             deferrals = max(deferrals, local, broker)
         budget = Budget(
@@ -606,20 +659,12 @@ class Runtime:
             max_handoff_failures=options.max_handoff_failures,
             dead_letter_fallback=not qr.dlq_unroutable,
         )
-        return await settle(result, budget, state)
+        return await settle(result, budget, effects)
 
-    async def publish_handoff(
-        self,
-        qr: QueueRuntime,
-        message: Received,
-        envelope: Envelope | None,
-        step: Step,
-        budget: Budget,
-        *,
-        trace: DeliveryTrace | None = None,
-    ) -> None:
-        """Publish the retry or DLQ copy of ``message`` on the confirming handoff channel."""
-        options = qr.options
+    async def publish_handoff(self, delivery: _Delivery, step: Step, budget: Budget) -> None:
+        """Publish the retry or DLQ copy of a delivery (on the confirming handoff channel, or the
+        in-process transport's), in a ``PRODUCER`` span whose ``traceparent`` the copy carries."""
+        options, message, envelope = delivery.qr.options, delivery.message, delivery.envelope
         if step.kind is StepKind.PUBLISH_RETRY:
             assert step.retry_count is not None
             routing_key = options.bucket_name(options.retry.bucket_for(budget.retry_count))
@@ -628,17 +673,13 @@ class Runtime:
             routing_key = options.dlq_name
             retry_count = envelope.retry_count if envelope is not None else None
         headers = handoff_headers(message.headers, step, retry_count=retry_count, failed_queue=options.name)
-        if trace is not None:  # a PRODUCER span, child of the delivery's, whose traceparent the copy carries
-            handoff = self._handoff
-            await trace.handoff(
-                lambda traced: handoff(message, routing_key, traced),
-                routing_key,
-                headers,
-                dead_letter=step.kind is StepKind.PUBLISH_DLQ,
-                code=step.code,
-            )
-            return
-        await self._handoff(message, routing_key, headers)
+        await delivery.trace.handoff(
+            functools.partial(self._handoff, message, routing_key),
+            routing_key,
+            headers,
+            dead_letter=step.kind is StepKind.PUBLISH_DLQ,
+            code=step.code,
+        )
 
     async def _handoff_on_channel(self, message: Received, routing_key: str, headers: Mapping[str, Any]) -> None:
         """The AMQP handoff: a copy through the default exchange on the confirming handoff channel."""
@@ -652,22 +693,22 @@ class Runtime:
             raise PublishError("closed", f"the handoff channel is unavailable ({type(exc).__name__})") from exc
         await republish(underlay, message, routing_key=routing_key, headers=headers, timeout=self.confirm_timeout)
 
-    def _finish(self, state: _Delivery, step: Step | None, evidence: Evidence | None) -> None:
+    def _finish(self, delivery: _Delivery, step: Step | None, evidence: Evidence | None) -> None:
         """Release the permit and record the terminal observation: exactly once per delivery."""
-        if state.finished:
+        if delivery.stage is _FINISHED:
             return
-        state.finished = True
-        qr = state.qr
+        delivery.stage = _FINISHED
+        qr = delivery.qr
         qr.in_flight -= 1
         qr.free_permits += 1  # a worker takes buffered work itself; the drop path kicks
         evidence = evidence or Evidence()
-        execution = state.execution or Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_FAILED, ""))
+        execution = delivery.execution or Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_FAILED, ""))
         terminal = step.terminal.value if step is not None and step.terminal else _UNRESOLVED
         counters = qr.counters
         if terminal == _UNRESOLVED:
             counters.unresolved += 1
         counters.outcomes[terminal] += 1
-        if self.phase is not Phase.RUNNING:
+        if self.phase is not _RUNNING:
             self.settled_during_shutdown[terminal] += 1
         counters.transient_replays += execution.transient_replays
         counters.reconciliations += execution.reconciliations
@@ -677,11 +718,11 @@ class Runtime:
             reason = "not settled: settlement authority was lost or revoked"
         else:
             reason = execution.result.reason
-        event_id = state.envelope.event_id if state.envelope else None
+        event_id = delivery.envelope.event_id if delivery.envelope else None
         code = (step.code if step is not None else None) or execution.result.code
         self.observations.record(
             queue=qr.options.name,
-            handler_id=state.handler_id,
+            handler_id=delivery.handler_id,
             event_id=event_id,
             outcome=terminal,
             code=code,
@@ -692,69 +733,60 @@ class Runtime:
             attempts=execution.attempts,
             transient_replays=execution.transient_replays,
             reconciliations=execution.reconciliations,
-            received_at=state.received_at,
-            duration=time.monotonic() - state.started,
+            received_at=delivery.received_at,
+            duration=time.monotonic() - delivery.started,
         )
-        if state.trace is not None:
-            state.trace.finish(state.handler_id, event_id, terminal, code, execution)
+        delivery.trace.finish(delivery.handler_id, event_id, terminal, code, execution)
         if terminal != _ACKED or log.isEnabledFor(logging.DEBUG):
-            _log_terminal(qr.options.name, state.handler_id, event_id, terminal, code)
+            _log_terminal(qr.options.name, delivery.handler_id, event_id, terminal, code)
 
-    # -- deadlines ----------------------------------------------------------------------
+    # -- the deadline path ----------------------------------------------------------------
 
     async def _sweep_deadlines(self) -> None:
-        """One timer for every delivery: each tick cancels executions past their cutoff.
+        """One timer for every delivery: each tick starts the deadline path of executions past their cutoff.
 
         A tick every quarter of the shortest deadline (at most 0.25 s) costs less than a
         timer per delivery; a cutoff fires at most one tick late.
         """
         shortest = min(q.options.deadline for q in self.queues.values())
         interval = min(max(shortest / 4, 0.005), 0.25)
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(interval)
-            now = loop.time()
-            for task, state in list(self.deliveries.items()):
-                if state.executing and not state.deadline_hit and now >= state.deadline_at:
-                    self._deadline_reached(state, task)
+            now = time.monotonic()
+            for task, delivery in list(self.deliveries.items()):
+                if delivery.stage is _EXECUTING and now - delivery.executing_since >= delivery.qr.options.deadline:
+                    self.tasks.spawn(self._enforce_deadline(delivery, task), name="lily-deadline", eager=True)
 
-    def _deadline_reached(self, state: _Delivery, task: asyncio.Task[Any]) -> None:
-        if task.done() or not state.executing:
-            return
-        state.deadline_hit = True
+    async def _enforce_deadline(self, delivery: _Delivery, task: asyncio.Task[Any]) -> None:
+        """One delivery past its cutoff, in order (docs/lifecycle.md, section 5):
+
+        1. cut off: its task is cancelled; the cancellation the handler lets through becomes
+           the timeout verdict (:meth:`_execute`), and its own task settles it;
+        2. the handler gets the cooperation window to end;
+        3. one that has not ended (it ignores the cancellation) is dropped: the delivery is
+           settled here, from this task, and its handler's late result is discarded.
+        """
+        qr = delivery.qr
+        delivery.stage = _CUT_OFF
         task.cancel()
-        asyncio.get_running_loop().call_later(state.qr.options.cooperation_window, self._cooperation_over, state, task)
-
-    def _cooperation_over(self, state: _Delivery, task: asyncio.Task[Any]) -> None:
-        if task.done() or not state.executing or state.dropped or state.finished:
-            return
-        # The handler ignores cancellation: drop it and settle the delivery elsewhere.
-        state.dropped = True
-        state.qr.counters.abandoned += 1
-        reason = f"handler exceeded the delivery deadline of {state.qr.options.deadline:g} s and was dropped"
-        state.execution = Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_TIMEOUT, reason), attempts=1)
-        state.settle_task = self.tasks.spawn(self._settle_dropped(state), name="lily-dropped")
-
-    async def _settle_dropped(self, state: _Delivery) -> None:
+        await asyncio.sleep(qr.options.cooperation_window)
+        if delivery.stage is not _CUT_OFF or task.done():
+            return  # it ended within the window
+        delivery.stage = _DROPPED
+        delivery.settle_task = asyncio.current_task()
+        qr.counters.abandoned += 1
+        reason = f"handler exceeded the delivery deadline of {qr.options.deadline:g} s and was dropped"
+        delivery.execution = Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_TIMEOUT, reason), attempts=1)
         step: Step | None = None
         evidence: Evidence | None = None
         try:
-            step, evidence = await self._settle(state)
+            step, evidence = await self._settle(delivery)
         finally:
-            self._finish(state, step, evidence)
-            self._kick(state.qr)
+            self._finish(delivery, step, evidence)
+            self._kick(qr)  # its permit came back outside a worker
 
     def snapshots(self) -> tuple[QueueSnapshot, ...]:
         return tuple(qr.snapshot() for qr in self.queues.values())
-
-
-def _bump(counts: collections.OrderedDict[bytes, int], key: bytes) -> int:
-    """Increment a bounded per-delivery counter (least recently used entries are forgotten)."""
-    counts[key] = counts.get(key, 0) + 1
-    counts.move_to_end(key)
-    while len(counts) > _COUNTER_MEMORY:
-        counts.popitem(last=False)
-    return counts[key]
 
 
 def _log_fields(queue: str, handler_id: str | None, event_id: object, outcome: str, code: str | None) -> dict[str, Any]:

@@ -279,8 +279,10 @@ FRESH = evidence_of(HandoffState.NONE, SettleState.NONE, True, None)
 SUCCESS = PipelineResult(Outcome.SUCCESS)
 NO_BUDGET = Budget()  # success and duplicate never consult a budget
 _ACKED = evidence_of(HandoffState.NONE, SettleState.SENT, True, StepKind.ACK)
-_END = frozenset({StepKind.DONE, StepKind.UNRESOLVED})
-_PUBLISH = frozenset({StepKind.PUBLISH_RETRY, StepKind.PUBLISH_DLQ})
+# The step kinds the loop tells apart, compared by identity: a frozenset membership test
+# hashes the member in Python (``Enum.__hash__``), three times per delivery.
+_DONE, _UNRESOLVED = StepKind.DONE, StepKind.UNRESOLVED
+_PUBLISH_RETRY, _PUBLISH_DLQ = StepKind.PUBLISH_RETRY, StepKind.PUBLISH_DLQ
 # The common path's two answers, computed once: decide() costs about 1 µs a call, and
 # every successful delivery asks twice (bench_throughput.py, 3-4 k msgs/s on 2 cores).
 _SUCCESS_FIRST = decide(SUCCESS, NO_BUDGET, FRESH)  # ACK
@@ -311,9 +313,9 @@ async def settle(
         else:
             step = decide(result, budget, evidence)
         kind = step.kind
-        if kind in _END:
+        if kind is _DONE or kind is _UNRESOLVED:
             return step, evidence
-        if kind in _PUBLISH:
+        if kind is _PUBLISH_RETRY or kind is _PUBLISH_DLQ:
             if await effects.handoff(step, budget):
                 evidence = evidence_of(HandoffState.CONFIRMED, evidence.settle, True, evidence.settled_with)
             else:

@@ -4,8 +4,9 @@ When ``opentelemetry-api`` is importable (the ``otel`` extra), a consumer and a
 publisher use the globally configured ``TracerProvider`` and ``MeterProvider``
 with no further set-up; ``Consumer(..., telemetry=False)`` turns it off, and
 ``telemetry=Telemetry(tracer_provider=..., meter_provider=...)`` chooses other
-providers. Without the API, or turned off, the engine holds ``None`` and each
-hook point costs one ``is None`` check.
+providers. :class:`Telemetry` is the engine's :class:`~lily_mongo._observer.Observer`;
+without the API, or turned off, the engine reports to the no-op observer instead,
+and each reporting point costs one call of an empty method.
 
 What is emitted follows the OpenTelemetry messaging semantic conventions:
 
@@ -26,9 +27,10 @@ What is emitted follows the OpenTelemetry messaging semantic conventions:
   queue and outcome, replays, deferrals, reconciliations, hand-off failures,
   in-flight deliveries, permits, outbox pending and failed).
 
-Attributes never carry payloads, header values other than the trace context,
-credentials or connection strings. Metric attributes are the queue and the
-outcome only: event ids stay on spans.
+The metrics' names, units and descriptions are the catalogue in
+:mod:`lily_mongo._metrics`. Attributes never carry payloads, header values
+other than the trace context, credentials or connection strings. Metric
+attributes are the queue and the outcome only: event ids stay on spans.
 """
 
 from __future__ import annotations
@@ -38,10 +40,25 @@ import datetime
 import itertools
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import records
+from ._metrics import (
+    DELIVERIES,
+    DURATION_BUCKETS,
+    HANDLER_DURATION,
+    LAG_BUCKETS,
+    OUTBOX_GAUGES,
+    PROCESS_DURATION,
+    QUEUE_COUNTERS,
+    QUEUE_GAUGES,
+    RELAY_LAG,
+    SENT,
+    Metric,
+)
+from ._observer import Send, SnapshotSource
 from .bounds import BOUNDS
 from .envelope import TRACEPARENT_HEADER, TRACESTATE_HEADER, valid_traceparent, validate_envelope
 from .errors import ConfigError, EnvelopeError, ErrorCode
@@ -70,36 +87,20 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
     from opentelemetry.trace import Span, TracerProvider
 
-    from .settlement import Execution
+    from .settlement import Execution, PipelineResult
 
-__all__ = ["AVAILABLE", "DeliveryTrace", "HistogramData", "Telemetry", "resolve_telemetry"]
+__all__ = [
+    "AVAILABLE",
+    "DURATION_BUCKETS",
+    "LAG_BUCKETS",
+    "DeliveryTrace",
+    "HistogramData",
+    "Telemetry",
+    "resolve_telemetry",
+]
 
 SCOPE = "lily_mongo"
 SYSTEM = "rabbitmq"
-# Seconds. The messaging conventions' advisory boundaries, with finer steps below 5 ms:
-# a delivery of a no-op handler settles in well under a millisecond.
-DURATION_BUCKETS: tuple[float, ...] = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    30.0,
-    60.0,
-)
-LAG_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 # Terminal outcomes whose span ends with error status (SPEC section 3: the delivery
 # failed for good, or its fate is unknown).
 ERROR_OUTCOMES = frozenset({"dead_lettered", "broker_dead_lettered", "unresolved"})
@@ -122,10 +123,10 @@ class _Histogram:
 
     __slots__ = ("bounds", "description", "name", "series")
 
-    def __init__(self, name: str, description: str, bounds: tuple[float, ...]) -> None:
-        self.name = name
-        self.description = description
-        self.bounds = bounds
+    def __init__(self, metric: Metric) -> None:
+        self.name = metric.prometheus_name
+        self.description = metric.description
+        self.bounds = metric.buckets
         self.series: dict[tuple[tuple[str, str], ...], list[Any]] = {}
 
     def record(self, labels: tuple[tuple[str, str], ...], value: float) -> None:
@@ -143,10 +144,6 @@ class _Histogram:
         ]
 
 
-SnapshotSource = Callable[[], tuple[Snapshot, tuple[str, ...]]]
-"""Returns a consumer's snapshot and its queue names in plan order (``QueueSnapshot.queue_index``)."""
-
-
 class _Instruments:
     """The instruments of one meter provider, created once: OpenTelemetry keeps instruments
     per provider and name, so every :class:`Telemetry` on one provider shares them."""
@@ -155,66 +152,28 @@ class _Instruments:
         meter = provider.get_meter(SCOPE)
         self.sources: dict[int, SnapshotSource] = {}
         self.keys = itertools.count()
-        self.process_duration = meter.create_histogram(
-            "messaging.process.duration",
-            unit="s",
-            description="Duration of processing a delivery, from its receipt to its terminal settlement step.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        self.process_duration, self.handler_duration, self.relay_lag = (
+            meter.create_histogram(
+                m.name, unit=m.unit, description=m.description, explicit_bucket_boundaries_advisory=m.buckets
+            )
+            for m in (PROCESS_DURATION, HANDLER_DURATION, RELAY_LAG)
         )
-        self.handler_duration = meter.create_histogram(
-            "lily.handler.duration",
-            unit="s",
-            description="Duration of a delivery's execution: handler, middleware and inbox attempts.",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
-        )
-        self.relay_lag = meter.create_histogram(
-            "lily.outbox.relay.lag",
-            unit="s",
-            description="Seconds from an outbox record's creation to its publisher confirm.",
-            explicit_bucket_boundaries_advisory=LAG_BUCKETS,
-        )
-        self.sent = meter.create_counter(
-            "messaging.client.sent.messages",
-            unit="{message}",
-            description="Messages published and confirmed (publisher, hand-offs and outbox relay).",
-        )
-        per_queue = (
-            ("messaging.client.consumed.messages", "{message}", "Deliveries received.", "received"),
-            ("lily.inbox.replays", "{replay}", "Transient-error replays of inbox attempts.", "transient_replays"),
-            ("lily.inbox.reconciliations", "{reconciliation}", "Commit-result reconciliations.", "reconciliations"),
-            ("lily.deferrals", "{deferral}", "Deferred deliveries (bounded requeues).", "deferrals"),
-            ("lily.handoff.failures", "{failure}", "Retry or DLQ hand-off publishes that failed.", "handoff_failures"),
-        )
-        for name, unit, description, field_name in per_queue:
+        self.sent = meter.create_counter(SENT.name, unit=SENT.unit, description=SENT.description)
+        for m in QUEUE_COUNTERS:
             meter.create_observable_counter(
-                name, callbacks=[self._per_queue(field_name)], unit=unit, description=description
+                m.name, callbacks=[self._per_queue(m.field)], unit=m.unit, description=m.description
             )
         meter.create_observable_counter(
-            "lily.deliveries",
-            callbacks=[self._outcomes],
-            unit="{delivery}",
-            description="Deliveries by queue and terminal outcome.",
+            DELIVERIES.name, callbacks=[self._outcomes], unit=DELIVERIES.unit, description=DELIVERIES.description
         )
-        for name, unit, description, field_name in (
-            ("lily.deliveries.in_flight", "{delivery}", "Deliveries holding a permit now.", "in_flight"),
-            ("lily.deliveries.buffered", "{delivery}", "Deliveries waiting in the local buffer.", "buffered"),
-            ("lily.permits", "{permit}", "Admission permits (handler concurrency).", "permits"),
-        ):
+        for m in QUEUE_GAUGES:
             meter.create_observable_up_down_counter(
-                name, callbacks=[self._per_queue(field_name)], unit=unit, description=description
+                m.name, callbacks=[self._per_queue(m.field)], unit=m.unit, description=m.description
             )
-        meter.create_observable_up_down_counter(
-            "lily.outbox.pending",
-            callbacks=[self._outbox("outbox_pending")],
-            unit="{record}",
-            description="Outbox records waiting for the relay (as of its last pass).",
-        )
-        meter.create_observable_up_down_counter(
-            "lily.outbox.failed",
-            callbacks=[self._outbox("outbox_failed")],
-            unit="{record}",
-            description="Outbox records parked as failed.",
-        )
+        for m in OUTBOX_GAUGES:
+            meter.create_observable_up_down_counter(
+                m.name, callbacks=[self._outbox(m.field)], unit=m.unit, description=m.description
+            )
 
     def _snapshots(self) -> Iterator[tuple[Snapshot, tuple[str, ...]]]:
         # Collection may run on a metric reader's thread: a snapshot copies plain ints
@@ -289,15 +248,9 @@ class Telemetry:
         self._process_attributes: dict[tuple[str, str], dict[str, str]] = {}
         self._queue_attributes: dict[str, dict[str, str]] = {}
         # What the Prometheus exposition reads (the snapshot holds no durations).
-        self.process_duration = _Histogram(
-            "messaging_process_duration_seconds", "Duration of processing a delivery.", DURATION_BUCKETS
-        )
-        self.handler_duration = _Histogram(
-            "lily_handler_duration_seconds", "Duration of a delivery's execution.", DURATION_BUCKETS
-        )
-        self.relay_lag = _Histogram(
-            "lily_outbox_relay_lag_seconds", "Seconds from an outbox record's creation to its confirm.", LAG_BUCKETS
-        )
+        self.process_duration = _Histogram(PROCESS_DURATION)
+        self.handler_duration = _Histogram(HANDLER_DURATION)
+        self.relay_lag = _Histogram(RELAY_LAG)
 
     def histograms(self) -> tuple[_Histogram, ...]:
         """The in-process histograms (for the Prometheus exposition)."""
@@ -387,7 +340,67 @@ class Telemetry:
                 span.set_attributes(describe(result))
             return result
 
+    def inbox_claim(self, claim: Awaitable[dict[str, Any]], owner: str) -> Awaitable[dict[str, Any]]:
+        """The ``inbox claim`` span: how the claim ended and the event's deferrals so far."""
+
+        def describe(found: dict[str, Any]) -> Mapping[str, str | int]:
+            answer = records.read_claim(found, owner)
+            return {"lily.inbox.claim": answer.kind.value, "lily.inbox.deferrals": answer.deferrals}
+
+        return self.traced("inbox claim", claim, describe=describe)
+
+    def inbox_attempt(
+        self, attempt: Awaitable[PipelineResult], number: int, replays: int, *, first: bool
+    ) -> Awaitable[PipelineResult]:
+        """One ``inbox attempt`` span per attempt, with its number and the replays before it."""
+        numbers = {
+            "lily.inbox.attempt": number,
+            "lily.inbox.replays": replays,
+            "lily.inbox.claim_in_transaction": int(first),
+        }
+        return self.traced("inbox attempt", attempt, numbers, _result_attributes)
+
+    def inbox_commit(self, commit: Awaitable[PipelineResult]) -> Awaitable[PipelineResult]:
+        return self.traced("inbox commit", commit, describe=_result_attributes)
+
+    def inbox_reconcile(self, reconcile: Awaitable[PipelineResult]) -> Awaitable[PipelineResult]:
+        return self.traced("inbox reconcile", reconcile, describe=_result_attributes)
+
     # -- publishing -------------------------------------------------------------------------------
+
+    def outbox_record(self, options: MutableMapping[str, Any]) -> None:
+        """An outbox record keeps the attempt's trace context: the relay publishes in that trace."""
+        if "traceparent" in options:
+            return
+        context = self.trace_headers()
+        if "traceparent" in context:
+            options["traceparent"] = context["traceparent"]
+            if "tracestate" in context:
+                options["tracestate"] = context["tracestate"]
+
+    def relay_publish(self, send: Send, record: Mapping[str, Any]) -> Awaitable[None]:
+        """A ``PRODUCER`` span, child of the context the record stored (the attempt that wrote it)."""
+        return self.produce(
+            send,
+            exchange=record["exchange"],
+            routing_key=record["routing_key"],
+            headers=record["headers"],
+            operation="relay",
+            enqueued_at=record.get("created_at"),
+        )
+
+    def publish(
+        self, send: Send, *, exchange: str, routing_key: str, headers: dict[str, Any], event_id: object
+    ) -> Awaitable[None]:
+        """A :class:`~lily_mongo.Publisher` publish: a ``PRODUCER`` span of the current context."""
+        return self.produce(
+            send,
+            exchange=exchange,
+            routing_key=routing_key,
+            headers=headers,
+            operation="publish",
+            attributes={"messaging.message.id": str(event_id)},
+        )
 
     def trace_headers(self) -> dict[str, str]:
         """The current span's ``traceparent`` (and ``tracestate``): what an outbox record stores."""
@@ -397,7 +410,7 @@ class Telemetry:
 
     async def produce(
         self,
-        send: Callable[[dict[str, Any]], Awaitable[None]],
+        send: Send,
         *,
         exchange: str,
         routing_key: str,
@@ -502,7 +515,7 @@ class DeliveryTrace:
 
     async def handoff(
         self,
-        send: Callable[[dict[str, Any]], Awaitable[None]],
+        send: Send,
         routing_key: str,
         headers: Mapping[str, Any],
         *,
@@ -541,6 +554,14 @@ def resolve_telemetry(option: bool | Telemetry | None) -> Telemetry | None:
 
 if AVAILABLE:
     _EMPTY = otel_context.Context()
+
+
+def _result_attributes(result: PipelineResult) -> Mapping[str, str | int]:
+    """What an attempt, commit or reconciliation span reports: its verdict and code."""
+    attributes: dict[str, str | int] = {"lily.inbox.verdict": result.outcome.value}
+    if result.code:
+        attributes["lily.failure.code"] = result.code
+    return attributes
 
 
 def _fail(span: Span, exc: BaseException) -> None:

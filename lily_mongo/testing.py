@@ -29,18 +29,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pymongo.errors import OperationFailure
 
-from . import lease
+from . import records
 from ._checks import check_bool, check_int
 from ._tasks import TaskSet
 from ._text import describe_value
+from ._wiring import Engine, build_engine
 from .envelope import EVENT_ID_HEADER, FAILED_QUEUE_HEADER
 from .errors import ConfigError, LilyError
-from .inbox import Inbox
 from .lifecycle import Consumer
 from .observe import TerminalObservation
-from .outbox import OutboxRelay
 from .publisher import BINARY, JSON, TEXT, CustomPublishContent, prepare_publication
-from .runtime import Received, Runtime
+from .runtime import Received
 
 if TYPE_CHECKING:
     from pymongo import AsyncMongoClient
@@ -161,8 +160,8 @@ class TestConsumer:
         self._database = database or self._settings.database
         self._relay_outbox = relay_outbox
         self._tasks = TaskSet()
-        self._runtime: Runtime | None = None
-        self._relay: OutboxRelay | None = None
+        self._engine: Engine | None = None
+        self._dlq_names: frozenset[str] = frozenset()
         self._retries_delivered = 0
         self.published: list[PublishedMessage] = []
         """Every retry copy, DLQ copy and relayed outbox message, in order."""
@@ -171,22 +170,13 @@ class TestConsumer:
 
     async def __aenter__(self) -> TestConsumer:
         plan = self._consumer.plan()
-        settings = self._settings
-        inbox: Inbox | None = None
-        if settings.mongo_client is not None:
-            assert self._database is not None
-            options = settings.inbox
-            inbox = Inbox(settings.mongo_client, self._database, options, owner_prefix=f"{settings.name}:test")
-            self._relay = OutboxRelay(
-                settings.mongo_client[self._database][options.outbox], options.relay, f"{settings.name}:test"
-            )
-            await inbox.prepare()
-            await self._relay.prepare(passive=options.passive_indexes)
-            inbox.start(self._tasks)
-        self._runtime = Runtime(
-            plan, None, self._tasks, inbox=inbox, confirm_timeout=settings.confirm_timeout, handoff=self._handoff
+        # The consumer's own settings, in this database, under an owner name of its own, reporting no telemetry.
+        settings = dataclasses.replace(
+            self._settings, name=f"{self._settings.name}:test", database=self._database, telemetry=None
         )
-        self._runtime.open_in_process()
+        self._dlq_names = frozenset(options.dlq_name for options in plan.queues.values())
+        self._engine = await build_engine(settings, plan, self._tasks, state=lambda: "running", handoff=self._handoff)
+        self._engine.open_in_process()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -205,7 +195,7 @@ class TestConsumer:
 
     @property
     def observations(self) -> tuple[TerminalObservation, ...]:
-        return self._runtime.observations.items() if self._runtime is not None else ()
+        return self._engine.runtime.observations.items() if self._engine is not None else ()
 
     # -- publishing into the consumer --------------------------------------------------------
 
@@ -240,9 +230,9 @@ class TestConsumer:
         return await self._deliver(_Message(queue, dict(headers), body, content_type, redelivered))
 
     async def _deliver(self, message: _Message) -> DeliveryResult:
-        runtime = self._runtime
-        if runtime is None:
+        if self._engine is None:
             raise LilyError("use the TestConsumer as an async context manager")
+        runtime = self._engine.runtime
         if message.queue not in runtime.queues:
             raise ConfigError(f"queue {message.queue!r} has no handler in this consumer")
         before = len(runtime.observations)
@@ -259,9 +249,10 @@ class TestConsumer:
 
     async def relay_outbox(self) -> int:
         """Publish every committed outbox record (recorded in :attr:`published`); returns how many."""
-        if self._relay is None:
+        relay = self._engine.relay if self._engine is not None else None
+        if relay is None:
             return 0
-        return await self._relay.drain(self._record_outbox)
+        return await relay.drain(self._record_outbox)
 
     async def deliver_retries(self) -> list[DeliveryResult]:
         """Deliver the retry copies recorded so far to their queues, without the buckets' delays."""
@@ -287,14 +278,14 @@ class TestConsumer:
     async def hold_lease(self, handler_id: str, event_id: uuid.UUID, *, seconds: float = 3600) -> None:
         """Make another, live owner hold the lease of (handler, event) for ``seconds``: copies are deferred."""
         now = datetime.datetime.now(datetime.UTC)
-        key = lease.record_key(handler_id, event_id)
+        key = records.record_key(handler_id, event_id)
         await self.database[self._settings.inbox.records].replace_one(
             {"_id": key},
             {
                 "_id": key,
                 "handler": handler_id,
                 "event_id": str(event_id),
-                "state": lease.LEASED,
+                "state": records.LEASED,
                 "owner": "elsewhere:test:0",
                 "token": 1,
                 "expires_at": now + datetime.timedelta(seconds=seconds),
@@ -308,7 +299,7 @@ class TestConsumer:
     # -- the recorded transport --------------------------------------------------------------
 
     async def _handoff(self, message: Received, routing_key: str, headers: Mapping[str, Any]) -> None:
-        kind: Literal["retry", "dlq"] = "dlq" if routing_key.endswith(".dlq") else "retry"
+        kind: Literal["retry", "dlq"] = "dlq" if routing_key in self._dlq_names else "retry"
         self.published.append(
             PublishedMessage(kind, "", routing_key, dict(headers), bytes(message.body), message.content_type)
         )
@@ -392,11 +383,11 @@ class Faults:
         transaction's first write (an update), so a failure there replays before the handler
         ran at all; ``delete`` because the inbox releases a failed attempt's lease with one.
         """
-        await self.fail(commands, times=times, labels=[lease.TRANSIENT_LABEL], code=112)
+        await self.fail(commands, times=times, labels=[records.TRANSIENT_LABEL], code=112)
 
     async def transient_commits(self, times: int = 1) -> None:
         """The next ``times`` commits fail (not applied) with ``TransientTransactionError``: the attempt replays."""
-        await self.fail(["commitTransaction"], times=times, labels=[lease.TRANSIENT_LABEL], code=112)
+        await self.fail(["commitTransaction"], times=times, labels=[records.TRANSIENT_LABEL], code=112)
 
     async def ambiguous_commits(self, times: int = 1) -> None:
         """The next ``times`` commits answer ``UnknownTransactionCommitResult`` (the server does not apply them).
@@ -405,7 +396,7 @@ class Faults:
         but whose reply is lost cannot be made by ``failCommand`` (it fails before the commit);
         the library's own tests cut the reply on the network for that case.
         """
-        await self.fail(["commitTransaction"], times=times, labels=[lease.UNKNOWN_COMMIT_LABEL], code=50)
+        await self.fail(["commitTransaction"], times=times, labels=[records.UNKNOWN_COMMIT_LABEL], code=50)
 
     async def clear(self) -> None:
         """Turn the failpoint off (whoever set it: a test, or a process sharing the server)."""

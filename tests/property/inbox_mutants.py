@@ -1,6 +1,6 @@
-"""Seeded mutants of :mod:`lily_mongo.lease` for the inbox protocol model, and their score.
+"""Seeded mutants of :mod:`lily_mongo.records` for the inbox protocol model, and their score.
 
-Each mutant replaces one function of ``lily_mongo.lease`` with a plausibly wrong version.
+Each mutant replaces one function of ``lily_mongo.records`` with a plausibly wrong version.
 The model (``tests/property/test_inbox_model.py``) calls the lease functions through the
 module, so patching the module attribute is enough. Two ways to run them:
 
@@ -22,31 +22,31 @@ from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
-import lily_mongo.lease as lease
-from lily_mongo.lease import COMPLETED, LEASED, Claim, ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
+import lily_mongo.records as records
+from lily_mongo.records import COMPLETED, LEASED, Claim, ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
 
 Record = Any
 
 # The originals, captured before any patching (a mutant delegates to them).
-read_claim = lease.read_claim
-claim_transition = lease.claim_transition
-completion_transition = lease.completion_transition
-renewal_transition = lease.renewal_transition
-release_transition = lease.release_transition
-classify_error = lease.classify_error
-next_after_replay = lease.next_after_replay
-reconcile = lease.reconcile
-may_renew = lease.may_renew
-heartbeat_verdict = lease.heartbeat_verdict
-read_first_claim = lease.read_first_claim
-first_claim_falls_back = lease.first_claim_falls_back
-first_claim_transition = lease.first_claim_transition
+read_claim = records.read_claim
+claim_transition = records.claim_transition
+completion_transition = records.completion_transition
+renewal_transition = records.renewal_transition
+release_transition = records.release_transition
+classify_error = records.classify_error
+next_after_replay = records.next_after_replay
+reconcile = records.reconcile
+may_renew = records.may_renew
+heartbeat_verdict = records.heartbeat_verdict
+read_first_claim = records.read_first_claim
+first_claim_falls_back = records.first_claim_falls_back
+first_claim_transition = records.first_claim_transition
 
 
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    target: str  # the lily_mongo.lease attribute it replaces
+    target: str  # the lily_mongo.records attribute it replaces
     function: Callable[..., Any]
     caught_by: tuple[str, ...]  # the invariants that may report it (none: equivalent)
     why: str = ""  # for an equivalent mutant: why no run of the model can tell
@@ -378,7 +378,7 @@ def score(examples: int, *, only: str = "") -> int:
     print(f"{'mutant':34} {'scenarios':16} {f'{examples} random runs':18} {'seconds':>7}  expected")
     for mutant in [m for m in MUTANTS if only in m.name]:
         started = time.perf_counter()
-        with mock.patch.object(lease, mutant.target, mutant.function), with_reporter(lambda _: None):
+        with mock.patch.object(records, mutant.target, mutant.function), with_reporter(lambda _: None):
             by_scenario = first_violation(SCENARIO_CASES)
             by_machine = first_violation([machine])
         found = [v.invariant for v in (by_scenario, by_machine) if v is not None]

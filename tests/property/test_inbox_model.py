@@ -1,7 +1,7 @@
 """A protocol model of the inbox lease (SPEC section 5) as a hypothesis state machine.
 
 Several simulated consumers handle several copies of one or two events against a small
-in-memory MongoDB. Every decision a consumer takes is the one :mod:`lily_mongo.lease`
+in-memory MongoDB. Every decision a consumer takes is the one :mod:`lily_mongo.records`
 takes (``claim_transition`` and the other server-side transitions run as the updates the
 model applies; ``read_claim``, ``classify_error``, ``next_after_replay``, ``reconcile``,
 ``may_renew`` and ``heartbeat_verdict`` decide what the consumer does next), and the
@@ -69,7 +69,7 @@ model runs their Python transitions, so it is only as true as their equivalence.
 Budget: ``LILY_MODEL_EXAMPLES`` (default 250) random runs of up to ``LILY_MODEL_STEPS``
 (default 30) moves each, plus the teardown's drain; ``LILY_MODEL_EXAMPLES=5000`` is the long
 profile. ``LILY_MUTANTS=1`` adds the mutation run (``inbox_mutants.py``): it swaps functions
-of :mod:`lily_mongo.lease`, which is why the model calls them through the module.
+of :mod:`lily_mongo.records`, which is why the model calls them through the module.
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-import lily_mongo.lease as lease
-from lily_mongo.lease import (
+import lily_mongo.records as records
+from lily_mongo.records import (
     COMPLETED,
     LEASED,
     TRANSIENT_LABEL,
@@ -629,7 +629,7 @@ class InboxModel(RuleBasedStateMachine):
 
     def renew(self, h: Handling, *, fails: bool) -> None:
         """A heartbeat between two steps of an attempt (SPEC 5.2)."""
-        if not lease.may_renew(holding=h.holding):
+        if not records.may_renew(holding=h.holding):
             self.log(f"{h.name} heartbeat skipped: its transaction holds the record")
             return
         holder = self.mongo.holder(h.key)
@@ -646,7 +646,7 @@ class InboxModel(RuleBasedStateMachine):
             result: list[Doc | None] = []
 
             def renew(record: Doc | None) -> Doc | None:
-                after = lease.renewal_transition(
+                after = records.renewal_transition(
                     record,
                     h.owner,
                     h.token,
@@ -663,7 +663,7 @@ class InboxModel(RuleBasedStateMachine):
                 self.reached("renewal by a stale owner")
                 changed = f"{h.name}'s renewal with a stale token changed {brief(before)} to {brief(after)}"
                 self.expect(after == before, "fencing", changed)
-        verdict = lease.heartbeat_verdict(
+        verdict = records.heartbeat_verdict(
             matched=matched, unrenewed_for=float(self.clock - h.renewed_at), lease_seconds=self.config().lease_seconds
         )
         if matched:
@@ -709,7 +709,7 @@ class InboxModel(RuleBasedStateMachine):
         msg.deliveries += 1
         hid = len(self.handlings) + 1
         # The broker's redelivered flag: set on every delivery of a copy after its first.
-        first = self.config().claim_in_transaction and lease.claims_in_transaction(
+        first = self.config().claim_in_transaction and records.claims_in_transaction(
             redelivered=msg.deliveries > 1, delivery_count=msg.deliveries - 1
         )
         h = Handling(
@@ -804,7 +804,7 @@ class InboxModel(RuleBasedStateMachine):
 
     def first_claim_failed(self, h: Handling, txn: Txn, exc: MongoError) -> None:
         """The claim in the transaction failed: the lease claim, or the error path of any operation."""
-        if not lease.first_claim_falls_back(exc.labels):
+        if not records.first_claim_falls_back(exc.labels):
             self.error(h, exc.labels, in_commit=False, what=exc.what)
             return
         self.mongo.abort(txn)
@@ -825,7 +825,7 @@ class InboxModel(RuleBasedStateMachine):
             before, after = self.mongo.txn_update(
                 txn,
                 h.key,
-                lambda record: lease.first_claim_transition(
+                lambda record: records.first_claim_transition(
                     record,
                     key=h.key,
                     handler_id=HANDLER,
@@ -844,10 +844,10 @@ class InboxModel(RuleBasedStateMachine):
             "exclusive-lease",
             f"{h.name}'s claim in its transaction overwrote {brief(before)} with {brief(after)}",
         )
-        found = lease.read_first_claim(before)
+        found = records.read_first_claim(before)
         self.log(f"{h.name} claims {h.key} in txn {txn.tid}: {found.value} (found {brief(before)})")
         self.reached(f"claim in the transaction: {found.value}")
-        if found is lease.FirstClaim.CLAIMED:
+        if found is records.FirstClaim.CLAIMED:
             written = after is not None and after.get("state") == COMPLETED and after.get("owner") == h.owner
             self.expect(
                 before is None and written, "claim-reading", f"{h.name} read {brief(before)} as absent and claimed it"
@@ -860,7 +860,7 @@ class InboxModel(RuleBasedStateMachine):
         # The inbox commits the read-only transaction on a duplicate (its majority commit waits
         # for the snapshot to be majority-committed): with no replication here, an abort.
         self.mongo.abort(txn)
-        if found is lease.FirstClaim.DUPLICATE:
+        if found is records.FirstClaim.DUPLICATE:
             self.expect(
                 before is not None and before.get("state") == COMPLETED,
                 "claim-reading",
@@ -884,7 +884,7 @@ class InboxModel(RuleBasedStateMachine):
             return
 
         def claim(record: Doc | None) -> Doc | None:
-            return lease.claim_transition(
+            return records.claim_transition(
                 record,
                 key=h.key,
                 handler_id=HANDLER,
@@ -898,7 +898,7 @@ class InboxModel(RuleBasedStateMachine):
         before, after = self.mongo.update(h.key, claim)
         assert after is not None
         self.check_claim(h, before, after)
-        got = lease.read_claim(after, h.owner)
+        got = records.read_claim(after, h.owner)
         self.log(f"{h.name} claims {h.key}: {got.kind.value} token={got.token} (record owner {after.get('owner')})")
         self.reached(f"claim: {got.kind.value}")
         if got.kind is ClaimKind.LEASED and before is not None and before.get("owner") is not None:
@@ -955,7 +955,7 @@ class InboxModel(RuleBasedStateMachine):
             before, after = self.mongo.txn_update(
                 txn,
                 h.key,
-                lambda record: lease.completion_transition(
+                lambda record: records.completion_transition(
                     record, h.owner, h.token, now=self.now, retention_seconds=RETENTION_SECONDS
                 ),
             )
@@ -1085,7 +1085,7 @@ class InboxModel(RuleBasedStateMachine):
         cfg = self.config()
         self.log(f"{h.name} {what}")
         self.reached(f"error: {what.split(' of txn')[0].split(' on ')[0]}")
-        step = lease.classify_error(labels, in_commit=in_commit)
+        step = records.classify_error(labels, in_commit=in_commit)
         unknown = UNKNOWN_COMMIT_LABEL in labels
         not_applied = not unknown and (TRANSIENT_LABEL in labels or in_commit)
         if step is ErrorStep.RETRY_COMMIT:
@@ -1122,7 +1122,7 @@ class InboxModel(RuleBasedStateMachine):
             self.verdict(h, PipelineResult(Outcome.DEFERRED, "MONGO_ERROR"), release=True)
             return
         h.replays += 1
-        if lease.next_after_replay(h.replays, cfg.replay_budget) is ErrorStep.REPLAY:
+        if records.next_after_replay(h.replays, cfg.replay_budget) is ErrorStep.REPLAY:
             self.expect(
                 h.replays <= cfg.replay_budget,
                 "replay",
@@ -1143,7 +1143,7 @@ class InboxModel(RuleBasedStateMachine):
 
     def reconcile(self, h: Handling, fault: Fault) -> None:
         record = self.mongo.read(h.key)
-        found = lease.reconcile(record, h.owner, h.token)
+        found = records.reconcile(record, h.owner, h.token)
         self.log(f"{h.name} reconciles from {brief(record)}: {found.value}")
         self.reached(f"reconcile: {found.value}")
         if found is Reconciled.COMMITTED:
@@ -1164,7 +1164,7 @@ class InboxModel(RuleBasedStateMachine):
         matched: list[bool] = []
 
         def release(record: Doc | None) -> Doc | None:
-            after, hit = lease.release_transition(record, h.owner, h.token, now=self.now, deferred=h.release_deferred)
+            after, hit = records.release_transition(record, h.owner, h.token, now=self.now, deferred=h.release_deferred)
             matched.append(hit)
             return after
 
@@ -1541,7 +1541,7 @@ def test_protocol_scenario(cfg: Config, moves: list[Move], reaches: str) -> None
     assert any(reaches in line for line in machine.trace), "\n".join(machine.trace)
 
 
-# -- the mutation run (not in CI): each mutant of lily_mongo.lease must make the model fail ---------
+# -- the mutation run (not in CI): each mutant of lily_mongo.records must make the model fail ---------
 
 
 MUTATION_RUN = os.environ.get("LILY_MUTANTS") == "1"
@@ -1550,8 +1550,8 @@ MUTATION_RUN = os.environ.get("LILY_MUTANTS") == "1"
 @pytest.mark.skipif(not MUTATION_RUN, reason="the mutation run: set LILY_MUTANTS=1")
 @pytest.mark.parametrize("mutant", MUTANTS if MUTATION_RUN else [None], ids=lambda m: m.name if m else "off")
 def test_mutant_is_caught(mutant: Mutant, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every non-equivalent mutant of lily_mongo.lease fails a scenario or a random run."""
-    monkeypatch.setattr(lease, mutant.target, mutant.function)
+    """Every non-equivalent mutant of lily_mongo.records fails a scenario or a random run."""
+    monkeypatch.setattr(records, mutant.target, mutant.function)
     if mutant.equivalent:
         pytest.skip(f"equivalent under the model: {mutant.why}")
     caught = first_violation(SCENARIO_CASES) or first_violation([run_machine])

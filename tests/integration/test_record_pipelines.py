@@ -1,6 +1,6 @@
 """Each update the inbox sends computes, on a real server, what its Python transition says.
 
-:mod:`lily_mongo.lease` writes every step twice: the MongoDB update (on the
+:mod:`lily_mongo.records` writes every step twice: the MongoDB update (on the
 server clock) and the same transition in Python, which the protocol model runs.
 These tests hold the two equal, record state by record state.
 """
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient, ReturnDocument
 
-from lily_mongo import lease
+from lily_mongo import records
 
 LEASE, STALE, RETENTION = 30.0, 3600.0, 7200.0
 HOUR = datetime.timedelta(hours=1)
@@ -55,120 +55,122 @@ def records_before() -> dict[str, dict[str, Any] | None]:
 
 
 @pytest.fixture
-async def records(mongo_client: AsyncMongoClient[Any], database_name: str) -> Any:
+async def collection(mongo_client: AsyncMongoClient[Any], database_name: str) -> Any:
     return mongo_client[database_name]["records"]
 
 
 @pytest.mark.parametrize("case", list(records_before()))
-async def test_the_claim_pipeline_is_the_claim_transition(records: Any, case: str) -> None:
+async def test_the_claim_pipeline_is_the_claim_transition(collection: Any, case: str) -> None:
     before = records_before()[case]
     if before is not None:
-        await records.insert_one(before)
-    after = await records.find_one_and_update(
+        await collection.insert_one(before)
+    after = await collection.find_one_and_update(
         {"_id": "h|e"},
-        lease.claim_pipeline("h", "e", "me:1", lease_seconds=LEASE, stale_seconds=STALE),
+        records.claim_pipeline("h", "e", "me:1", lease_seconds=LEASE, stale_seconds=STALE),
         upsert=True,
         return_document=ReturnDocument.AFTER,
     )
     # The server's clock at the claim: what the update stored as checked_at (or, for a
     # completed record, which the claim leaves alone, any time will do).
     now = after.get("checked_at") or utcnow()
-    expected = lease.claim_transition(
+    expected = records.claim_transition(
         before, key="h|e", handler_id="h", event_id="e", owner="me:1", now=now, lease_seconds=LEASE, stale_seconds=STALE
     )
     assert after == expected
-    claim = lease.read_claim(after, "me:1")
+    claim = records.read_claim(after, "me:1")
     assert (
         claim.kind
         is {
-            "absent": lease.ClaimKind.LEASED,
-            "held-by-a-live-owner": lease.ClaimKind.HELD,
-            "lease-expired": lease.ClaimKind.LEASED,
-            "released-after-a-deferral": lease.ClaimKind.LEASED,
-            "completed": lease.ClaimKind.DUPLICATE,
+            "absent": records.ClaimKind.LEASED,
+            "held-by-a-live-owner": records.ClaimKind.HELD,
+            "lease-expired": records.ClaimKind.LEASED,
+            "released-after-a-deferral": records.ClaimKind.LEASED,
+            "completed": records.ClaimKind.DUPLICATE,
         }[case]
     )
 
 
 @pytest.mark.parametrize("fenced", [True, False], ids=["own-lease", "stale-owner"])
 async def test_renewal_completion_and_release_are_their_transitions(
-    mongo_client: AsyncMongoClient[Any], records: Any, fenced: bool
+    mongo_client: AsyncMongoClient[Any], collection: Any, fenced: bool
 ) -> None:
     now = utcnow()
     mine = base("leased", "me:1", now + datetime.timedelta(seconds=5))
     token = 4 if fenced else 3  # a stale owner carries an older token
-    fence = lease.fence("h|e", "me:1", token)
+    fence = records.fence("h|e", "me:1", token)
 
-    await records.insert_one(mine)
-    result = await records.update_one(fence, lease.renewal_update(lease_seconds=LEASE, stale_seconds=STALE))
-    after = await records.find_one({"_id": "h|e"})
+    await collection.insert_one(mine)
+    result = await collection.update_one(fence, records.renewal_update(lease_seconds=LEASE, stale_seconds=STALE))
+    after = await collection.find_one({"_id": "h|e"})
     server_now = after["expires_at"] - datetime.timedelta(seconds=LEASE) if fenced else now
-    expected = lease.renewal_transition(mine, "me:1", token, now=server_now, lease_seconds=LEASE, stale_seconds=STALE)
+    expected = records.renewal_transition(mine, "me:1", token, now=server_now, lease_seconds=LEASE, stale_seconds=STALE)
     assert (result.matched_count == 1) is fenced
     assert after == (expected if fenced else mine)
 
-    await records.replace_one({"_id": "h|e"}, mine)
+    await collection.replace_one({"_id": "h|e"}, mine)
     async with mongo_client.start_session() as session:
         await session.start_transaction()
-        result = await records.update_one(fence, lease.completion_update(retention_seconds=RETENTION), session=session)
+        result = await collection.update_one(
+            fence, records.completion_update(retention_seconds=RETENTION), session=session
+        )
         await session.commit_transaction()
-    after = await records.find_one({"_id": "h|e"})
-    expected = lease.completion_transition(
+    after = await collection.find_one({"_id": "h|e"})
+    expected = records.completion_transition(
         mine, "me:1", token, now=after.get("completed_at", now), retention_seconds=RETENTION
     )
     assert (result.matched_count == 1) is fenced
     assert after == (expected if fenced else mine)
 
-    await records.replace_one({"_id": "h|e"}, mine)
-    after = await records.find_one_and_update(
-        fence, lease.deferral_release_update(), return_document=ReturnDocument.AFTER
+    await collection.replace_one({"_id": "h|e"}, mine)
+    after = await collection.find_one_and_update(
+        fence, records.deferral_release_update(), return_document=ReturnDocument.AFTER
     )
-    expected, matched = lease.release_transition(
+    expected, matched = records.release_transition(
         mine, "me:1", token, now=after["expires_at"] if after else now, deferred=True
     )
     assert matched is fenced
     assert after == (expected if fenced else None)
 
-    await records.replace_one({"_id": "h|e"}, mine)
-    result = await records.delete_one(fence)
-    expected, matched = lease.release_transition(mine, "me:1", token, now=now, deferred=False)
+    await collection.replace_one({"_id": "h|e"}, mine)
+    result = await collection.delete_one(fence)
+    expected, matched = records.release_transition(mine, "me:1", token, now=now, deferred=False)
     assert (result.deleted_count == 1) is fenced is matched
-    assert await records.find_one({"_id": "h|e"}) == (None if fenced else mine)
+    assert await collection.find_one({"_id": "h|e"}) == (None if fenced else mine)
 
 
 @pytest.mark.parametrize("case", list(records_before()))
 async def test_the_claim_in_a_transaction_is_its_transition(
-    mongo_client: AsyncMongoClient[Any], records: Any, case: str
+    mongo_client: AsyncMongoClient[Any], collection: Any, case: str
 ) -> None:
     before = records_before()[case]
     if before is not None:
-        await records.insert_one(before)
+        await collection.insert_one(before)
     now = utcnow()
     async with mongo_client.start_session() as session:
         await session.start_transaction()
-        found = await records.find_one_and_update(
+        found = await collection.find_one_and_update(
             {"_id": "h|e"},
-            lease.first_claim_update("h", "e", "me:1", now=now, retention_seconds=RETENTION),
+            records.first_claim_update("h", "e", "me:1", now=now, retention_seconds=RETENTION),
             upsert=True,
             session=session,
         )
         await session.commit_transaction()
     assert found == before  # the record as it was: what read_first_claim reads
-    after = await records.find_one({"_id": "h|e"})
-    written = lease.first_claim_transition(
+    after = await collection.find_one({"_id": "h|e"})
+    written = records.first_claim_transition(
         before, key="h|e", handler_id="h", event_id="e", owner="me:1", now=now, retention_seconds=RETENTION
     )
     assert after == (written if before is None else before)  # an existing record is never changed
     assert (
-        lease.read_first_claim(found)
+        records.read_first_claim(found)
         is {
-            "absent": lease.FirstClaim.CLAIMED,
-            "held-by-a-live-owner": lease.FirstClaim.CONTENDED,
-            "lease-expired": lease.FirstClaim.CONTENDED,
-            "released-after-a-deferral": lease.FirstClaim.CONTENDED,
-            "completed": lease.FirstClaim.DUPLICATE,
+            "absent": records.FirstClaim.CLAIMED,
+            "held-by-a-live-owner": records.FirstClaim.CONTENDED,
+            "lease-expired": records.FirstClaim.CONTENDED,
+            "released-after-a-deferral": records.FirstClaim.CONTENDED,
+            "completed": records.FirstClaim.DUPLICATE,
         }[case]
     )
     if before is None:
         assert (after["state"], after["owner"], after["token"]) == ("completed", "me:1", 1)
-        assert lease.reconcile(after, "me:1", 1) is lease.Reconciled.COMMITTED
+        assert records.reconcile(after, "me:1", 1) is records.Reconciled.COMMITTED

@@ -1,4 +1,7 @@
-"""The inbox record protocol of SPEC section 5, as data and pure decisions.
+"""The inbox record protocol: its updates, their Python transitions, the consumer-side decisions.
+
+docs/inbox.md describes the protocol step by step; this module is its single
+definition, as data and pure decisions.
 
 One record per (handler identity, event id) carries the lease and the
 completion. Its life::
@@ -37,6 +40,7 @@ from typing import Any
 __all__ = [
     "COMPLETED",
     "LEASED",
+    "TRANSACTION_LABELS",
     "TRANSIENT_LABEL",
     "UNKNOWN_COMMIT_LABEL",
     "Claim",
@@ -45,7 +49,6 @@ __all__ = [
     "FirstClaim",
     "Heartbeat",
     "Reconciled",
-    "backoff",
     "claim_pipeline",
     "claim_transition",
     "claims_in_transaction",
@@ -72,8 +75,11 @@ __all__ = [
 
 LEASED = "leased"
 COMPLETED = "completed"
+# The transaction labels MongoDB attaches to errors: errors are classified by label,
+# never by code or message. ``_mongo.error_labels`` reads exactly these.
 TRANSIENT_LABEL = "TransientTransactionError"
 UNKNOWN_COMMIT_LABEL = "UnknownTransactionCommitResult"
+TRANSACTION_LABELS = (TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL)
 
 Record = Mapping[str, Any]
 
@@ -418,8 +424,8 @@ def release_transition(
 
 
 class ErrorStep(enum.Enum):
-    REPLAY = "replay"  # abort; replay the whole attempt in a fresh scope (SPEC 5.4)
-    RETRY_COMMIT = "retry_commit"  # the commit's result is unknown: retry the same commit (SPEC 5.5)
+    REPLAY = "replay"  # abort; replay the whole attempt in a fresh scope (docs/inbox.md, step 5)
+    RETRY_COMMIT = "retry_commit"  # the commit's result is unknown: retry the same commit (docs/inbox.md, step 6)
     DEFER = "defer"  # abort; requeue the delivery without spending an application retry
 
 
@@ -434,16 +440,6 @@ def classify_error(labels: Collection[str], *, in_commit: bool) -> ErrorStep:
     return ErrorStep.REPLAY if TRANSIENT_LABEL in labels else ErrorStep.DEFER
 
 
-def backoff(retry: int, *, base: float, cap: float, jitter: float) -> float:
-    """Seconds to wait before a replay or a commit retry; ``retry`` counts the ones before it.
-
-    Exponential and capped, with "equal jitter" (``jitter`` drawn from [0, 1)): at least half
-    the step, so a retry never follows at once, and spread so retries do not align.
-    """
-    step: float = min(cap, base * 2.0**retry)
-    return step / 2 + step / 2 * jitter
-
-
 def next_after_replay(replays: int, budget: int) -> ErrorStep:
     """After the ``replays``-th replay request: replay again within the budget, else defer."""
     return ErrorStep.REPLAY if replays <= budget else ErrorStep.DEFER
@@ -456,7 +452,7 @@ class Reconciled(enum.Enum):
 
 
 def reconcile(record: Record | None, owner: str, token: int) -> Reconciled:
-    """Commit-result reconciliation from the record read with majority read concern (SPEC 5.5)."""
+    """Commit-result reconciliation from the record read with majority read concern (docs/inbox.md, step 6)."""
     if record is None or record.get("state") != COMPLETED:
         return Reconciled.AMBIGUOUS
     if record.get("owner") == owner and record.get("token") == token:

@@ -20,14 +20,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lily_mongo.lease import (
+from lily_mongo.records import (
     Claim,
     ClaimKind,
     ErrorStep,
     FirstClaim,
     Heartbeat,
     Reconciled,
-    backoff,
     claim_transition,
     claims_in_transaction,
     classify_error,
@@ -466,45 +465,6 @@ def test_no_renewal_while_the_transaction_holds_the_record() -> None:
     # SPEC 5.2: a renewal committed after the transaction's snapshot would fail it with a WriteConflict.
     assert may_renew(holding=True) is False
     assert may_renew(holding=False) is True
-
-
-# -- backoff ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("retry", "base", "cap", "jitter", "low", "high"),
-    [
-        (1, 0.02, 1.0, 0.0, 0.02, 0.02),  # step 0.04: half of it without jitter
-        (1, 0.02, 1.0, 0.5, 0.03, 0.03),
-        (3, 0.02, 1.0, 0.0, 0.08, 0.08),  # step 0.16
-        (3, 0.02, 1.0, 0.999, 0.159, 0.16),
-        (10, 0.02, 1.0, 0.0, 0.5, 0.5),  # 20.48 capped at 1.0
-        (10, 0.02, 1.0, 0.999, 0.999, 1.0),
-        (100, 1.0, 600.0, 0.25, 375.0, 375.0),  # capped at 600
-    ],
-)
-def test_backoff_examples(retry: int, base: float, cap: float, jitter: float, low: float, high: float) -> None:
-    assert low - 1e-9 <= backoff(retry, base=base, cap=cap, jitter=jitter) <= high + 1e-9
-
-
-@FAST
-@given(
-    retry=st.integers(0, 100),
-    base=st.floats(0.001, 60.0),
-    cap_over_base=st.floats(1.0, 1000.0),
-    jitter=st.floats(0.0, 1.0, exclude_max=True),
-)
-def test_backoff_is_at_least_half_the_capped_step_and_at_most_the_step(
-    retry: int, base: float, cap_over_base: float, jitter: float
-) -> None:
-    cap = base * cap_over_base
-    step = min(cap, base * 2**retry)
-    delay = backoff(retry, base=base, cap=cap, jitter=jitter)
-    assert step / 2 * (1 - 1e-9) <= delay <= step * (1 + 1e-9)
-    assert delay <= cap * (1 + 1e-9)
-    # Never shorter than the previous retry's delay with the same jitter.
-    if retry > 0:
-        assert backoff(retry - 1, base=base, cap=cap, jitter=jitter) <= delay * (1 + 1e-9)
 
 
 # -- the lease's safety over arbitrary interleavings --------------------------------------

@@ -1,0 +1,136 @@
+"""The one backoff rule and the three waits built on it, against the bounds the docs state.
+
+docs/inbox.md: replays and commit retries wait ``backoff_base * 2^n`` capped by
+``backoff_max``, at least half the step. docs/settlement.md, section 4: the pause
+before a requeue is ``min(0.05 s * 2^min(n, 6), 2 s)`` times a factor between 0.5
+and 1, never over the queue's ``cooperation_window``. docs/outbox.md: an outbox
+record's next attempt waits an exponential backoff from ``backoff_base`` capped
+at ``backoff_max``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lily_mongo import runtime
+from lily_mongo._backoff import backoff
+from lily_mongo.errors import PublishError
+from lily_mongo.outbox import OutboxRelay, RelayOptions
+from lily_mongo.settlement import Budget, Evidence, Execution, HandoffState, Outcome, PipelineResult
+
+FAST = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize(
+    ("retry", "base", "cap", "jitter", "low", "high"),
+    [
+        (1, 0.02, 1.0, 0.0, 0.02, 0.02),  # step 0.04: half of it without jitter
+        (1, 0.02, 1.0, 0.5, 0.03, 0.03),
+        (3, 0.02, 1.0, 0.0, 0.08, 0.08),  # step 0.16
+        (3, 0.02, 1.0, 0.999, 0.159, 0.16),
+        (10, 0.02, 1.0, 0.0, 0.5, 0.5),  # 20.48 capped at 1.0
+        (10, 0.02, 1.0, 0.999, 0.999, 1.0),
+        (100, 1.0, 600.0, 0.25, 375.0, 375.0),  # capped at 600
+        (10_000, 0.05, 2.0, 0.0, 1.0, 1.0),  # a deferral count far past any doubling: the cap
+    ],
+)
+def test_backoff_examples(retry: int, base: float, cap: float, jitter: float, low: float, high: float) -> None:
+    assert low - 1e-9 <= backoff(retry, base=base, cap=cap, jitter=jitter) <= high + 1e-9
+
+
+@FAST
+@given(
+    retry=st.integers(0, 100),
+    base=st.floats(0.001, 60.0),
+    cap_over_base=st.floats(1.0, 1000.0),
+    jitter=st.floats(0.0, 1.0, exclude_max=True),
+)
+def test_backoff_is_at_least_half_the_capped_step_and_at_most_the_step(
+    retry: int, base: float, cap_over_base: float, jitter: float
+) -> None:
+    cap = base * cap_over_base
+    step = min(cap, base * 2**retry)
+    delay = backoff(retry, base=base, cap=cap, jitter=jitter)
+    assert step / 2 * (1 - 1e-9) <= delay <= step * (1 + 1e-9)
+    assert delay <= cap * (1 + 1e-9)
+    # Never shorter than the previous retry's delay with the same jitter.
+    if retry > 0:
+        assert backoff(retry - 1, base=base, cap=cap, jitter=jitter) <= delay * (1 + 1e-9)
+
+
+# -- the pause before a requeue -------------------------------------------------------------------
+
+
+def pause(monkeypatch: pytest.MonkeyPatch, budget: Budget, evidence: Evidence, **options: Any) -> float:
+    """The seconds the runtime's settlement effects sleep before a requeue."""
+    slept: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        slept.append(delay)
+
+    monkeypatch.setattr(runtime.asyncio, "sleep", sleep)
+    execution = Execution(PipelineResult(Outcome.DEFERRED), backoff_limit=options.pop("backoff_limit", None))
+    queue_options = SimpleNamespace(cooperation_window=options.pop("cooperation_window", 5.0))
+    delivery = SimpleNamespace(execution=execution, qr=SimpleNamespace(options=queue_options))
+    effects = runtime._Effects(None, delivery)  # type: ignore[arg-type]
+    asyncio.run(effects.pause_before_requeue(budget, evidence))
+    (delay,) = slept
+    return delay
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 6, 7, 20, 10_000])
+def test_the_requeue_pause_stays_within_its_documented_bounds(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    step = min(0.05 * 2 ** min(count, 6), 2.0)
+    for _ in range(50):
+        delay = pause(monkeypatch, Budget(deferrals=count), Evidence())
+        assert step * 0.5 <= delay <= step
+    # After handoff failures the count is the failures so far, not the deferrals.
+    failed = Evidence(handoff=HandoffState.FAILED)
+    assert pause(monkeypatch, Budget(deferrals=0, handoff_failures=count), failed) >= step * 0.5
+
+
+def test_the_requeue_pause_is_cut_to_the_lease_and_to_the_cooperation_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert pause(monkeypatch, Budget(deferrals=20), Evidence(), backoff_limit=0.3) == pytest.approx(0.3)
+    assert pause(monkeypatch, Budget(deferrals=20), Evidence(), backoff_limit=-1.0) == 0.0
+    assert pause(monkeypatch, Budget(deferrals=20), Evidence(), cooperation_window=0.1) == pytest.approx(0.1)
+
+
+# -- an outbox record's next attempt ----------------------------------------------------------------
+
+
+class Collection:
+    """Records the updates the relay writes (no server)."""
+
+    def __init__(self) -> None:
+        self.updates: list[dict[str, Any]] = []
+
+    async def update_one(self, _filter: dict[str, Any], update: dict[str, Any]) -> None:
+        self.updates.append(update)
+
+
+@pytest.mark.parametrize("attempts", [0, 1, 4, 30])
+def test_an_outbox_record_waits_the_capped_exponential_step_before_its_next_attempt(attempts: int) -> None:
+    collection = Collection()
+    options = RelayOptions(backoff_base=0.5, backoff_max=60.0, max_attempts=1000)
+    relay = OutboxRelay(collection, options, "relay-a")  # type: ignore[arg-type]
+
+    async def refuse(**_message: Any) -> None:
+        raise PublishError("nacked", "refused")
+
+    record = {"_id": "r", "claim_token": "t", "exchange": "", "routing_key": "q", "body": b"", "headers": {}}
+    step = min(0.5 * 2**attempts, 60.0)  # the record's attempts so far, before this one failed
+    for _ in range(20):
+        before = datetime.datetime.now(datetime.UTC)
+        asyncio.run(relay._publish({**record, "attempts": attempts}, refuse))
+        after = datetime.datetime.now(datetime.UTC)
+        update = collection.updates.pop()["$set"]
+        assert update["attempts"] == attempts + 1
+        assert before + datetime.timedelta(seconds=step / 2) <= update["available_at"]
+        assert update["available_at"] <= after + datetime.timedelta(seconds=step)
