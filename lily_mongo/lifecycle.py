@@ -33,13 +33,15 @@ import aio_pika.abc
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
+from ._amqp import connect_amqp
 from ._checks import check_amqp_url, check_bool, check_seconds
-from ._connect import connect_amqp, redact_url
+from ._mongo import mongo_error
+from ._redact import redact_url
 from ._tasks import TaskSet, raise_if_cancel_requested
 from ._tasks import uncancellable as _uncancellable
 from ._text import describe_value
 from .bounds import utf8_len
-from .errors import ConfigError, LilyError, TransportError
+from .errors import ConfigError, LilyError
 from .inbox import Inbox, InboxOptions, MongoScope
 from .observe import Snapshot, TerminalObservation
 from .outbox import OutboxRelay
@@ -444,7 +446,7 @@ class ManagedConsumer:
                 await self._inbox.prepare()
                 await self._relay.prepare(passive=inbox_options.passive_indexes)
             except PyMongoError as exc:
-                raise TransportError(f"MongoDB refused the inbox set-up: {type(exc).__name__}: {exc}"[:500]) from exc
+                raise mongo_error(exc, "the inbox set-up") from exc
             self._inbox.start(self._tasks)
         self._runtime = Runtime(
             self.plan,
