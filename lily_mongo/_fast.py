@@ -14,7 +14,7 @@ Three forms, each measured, each held equal to the ordinary construction by a te
 * :func:`canonical_uuid`: ``uuid.UUID(text)`` parses the text's form again
   (braces, ``urn:``, hyphens) after the envelope check has already matched the
   canonical form; filling the UUID's two slots takes half the time (0.7 against
-  1.5 µs, ``timeit``). ``tests/unit/test_fast.py`` compares the two.
+  1.5 µs, ``timeit``). ``tests/property/test_envelope_props.py`` compares the two.
 * :data:`new_instance` (``object.__new__``): the frame decoding
   (:mod:`lily_mongo._amqp.codec`) builds pamqp's method, properties and header
   objects the way pamqp's own unmarshal fills them: without their ``__init__``
