@@ -20,7 +20,7 @@ import pytest
 from yarl import URL
 
 from lily_mongo import Consumer, Json, RetryPolicy, queue
-from lily_mongo._amqp import LenientFrameReader, LenientTransport, connect_amqp, frame_path, patches
+from lily_mongo._amqp import LenientFrameReader, LenientTransport, connect_amqp, frame_path
 from tests.support import (
     BrokerNames,
     RawProducer,
@@ -31,6 +31,7 @@ from tests.support import (
     raw_table,
     wait_observations,
 )
+from tests.versions import untested
 
 
 class Order(pydantic.BaseModel):
@@ -72,12 +73,8 @@ def readers(monkeypatch: pytest.MonkeyPatch) -> list[LenientFrameReader]:
 
 @pytest.fixture
 def untested_aiormq(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The version lookup reports an aiormq outside the tested range; the choice is made again."""
-    real = patches.installed_version
-    monkeypatch.setattr(patches, "installed_version", lambda name: "8.0.0" if name == "aiormq" else real(name))
-    patches.active.cache_clear()
-    yield
-    patches.active.cache_clear()
+    with untested(monkeypatch, "aiormq"):
+        yield
 
 
 async def test_on_the_tested_versions_a_connection_reads_with_lilys_receiver(amqp: str, names: BrokerNames) -> None:

@@ -26,6 +26,7 @@ from pamqp.heartbeat import Heartbeat
 from lily_mongo._amqp import MALFORMED_HEADER, InboundMessage, LenientFrameReader, LilyProperties, patches
 from lily_mongo._amqp.patches import FastFrameReceiver, unbounded_frame_queue
 from tests.support import long_string_value, raw_properties, raw_table, same, short_bytes
+from tests.versions import untested
 
 # aiormq's own receiver, as the module defined it (once the fast path is active the global
 # names lily's subclass of it).
@@ -245,12 +246,8 @@ async def test_only_lenient_connections_get_lilys_receiver() -> None:
 
 @pytest.fixture
 def untested_aiormq(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The version lookup reports an aiormq outside the tested range (the library is untouched)."""
-    real = patches.installed_version
-    monkeypatch.setattr(patches, "installed_version", lambda name: "8.0.0" if name == "aiormq" else real(name))
-    patches.active.cache_clear()
-    yield
-    patches.active.cache_clear()
+    with untested(monkeypatch, "aiormq"):
+        yield
 
 
 @pytest.mark.usefixtures("untested_aiormq")
