@@ -13,7 +13,7 @@ settled or covered by a frame already written) and the state of each tag above
 it that was delivered here. It answers with the frames to write, in order, and
 the new ledger. Tags never seen here (a gap in the numbering) count as unsettled:
 a multiple ACK never reaches past one. The I/O that writes the frames is
-:class:`lily_mongo._amqp.AckCoalescer`.
+:class:`lily_mongo._amqp.coalescer.AckCoalescer`.
 """
 
 from __future__ import annotations

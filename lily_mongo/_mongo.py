@@ -1,19 +1,37 @@
-"""PyMongo details shared by the inbox and the outbox: labels, sessions, indexes."""
+"""PyMongo details shared by the inbox and the outbox: labels, sessions, indexes; PyMongo errors mapped
+to lily errors (one table); opening a client."""
 
 from __future__ import annotations
 
+import contextlib
+import enum
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from pymongo.errors import OperationFailure, PyMongoError
+from bson.errors import BSONError
+from pymongo import AsyncMongoClient
+from pymongo.errors import ConfigurationError, ConnectionFailure, OperationFailure, PyMongoError
 
-from .errors import ConfigError
+from ._redact import redact_url, scrub
+from .errors import ConfigError, LilyError, TransportError
 from .records import TRANSACTION_LABELS
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.client_session import AsyncClientSession
     from pymongo.asynchronous.collection import AsyncCollection
 
-__all__ = ["discard_server_session", "ensure_index", "error_labels"]
+__all__ = [
+    "MONGO_ERRORS",
+    "MongoFailure",
+    "discard_server_session",
+    "ensure_index",
+    "error_labels",
+    "mongo_error",
+    "mongo_errors",
+    "mongo_failure",
+    "open_mongo",
+]
 
 
 def error_labels(exc: PyMongoError) -> frozenset[str]:
@@ -47,3 +65,93 @@ async def ensure_index(
         await collection.create_index(keys, name=name, **options)
     except OperationFailure as exc:
         raise ConfigError(f"index {name!r} on {collection.name!r} exists with other options: {exc.details}") from exc
+
+
+# -- PyMongo errors, mapped at one boundary ---------------------------------------------------------
+
+
+class MongoFailure(enum.Enum):
+    """What a PyMongo exception says happened."""
+
+    LOGIN_REFUSED = "the server refused the login"
+    UNREACHABLE = "no server answered in time"
+    INVALID_CONFIGURATION = "the URI or a client option is not valid"
+    FAILED = "the server refused or failed an operation"
+
+
+MONGO_ERRORS: Mapping[type[BaseException], MongoFailure] = MappingProxyType(
+    {
+        ConfigurationError: MongoFailure.INVALID_CONFIGURATION,  # InvalidURI included
+        ConnectionFailure: MongoFailure.UNREACHABLE,  # AutoReconnect, ServerSelectionTimeoutError, NetworkTimeout, ...
+        OperationFailure: MongoFailure.FAILED,  # a refused login too: see mongo_failure
+        PyMongoError: MongoFailure.FAILED,
+        BSONError: MongoFailure.FAILED,  # a document PyMongo cannot encode (DocumentTooLarge included)
+    }
+)
+# The server's code for a refused login (AuthenticationFailed): the one error classified by
+# code, since MongoDB gives it no label.
+_AUTHENTICATION_FAILED = 18
+
+
+def mongo_failure(exc: BaseException) -> MongoFailure | None:
+    """What ``exc`` says happened (its most specific class in :data:`MONGO_ERRORS`), or None."""
+    if isinstance(exc, OperationFailure) and exc.code == _AUTHENTICATION_FAILED:
+        return MongoFailure.LOGIN_REFUSED
+    for cls in type(exc).__mro__:
+        failure = MONGO_ERRORS.get(cls)
+        if failure is not None:
+            return failure
+    return None
+
+
+def mongo_error(exc: BaseException, what: str, *, uri: str | None = None) -> LilyError:
+    """The lily error for ``what`` ("reading the inbox statistics") failing with ``exc``.
+
+    With ``uri``, the sentence names the server (its password redacted). An exception
+    :data:`MONGO_ERRORS` does not name is returned as a :class:`LilyError` saying so.
+    """
+    at = f" at {redact_url(uri)}" if uri else ""
+    failure = mongo_failure(exc)
+    if failure is MongoFailure.INVALID_CONFIGURATION:
+        if uri:
+            return ConfigError(f"the MongoDB URI {redact_url(uri)} is not valid: {scrub(str(exc), uri)}"[:300])
+        return ConfigError(f"MongoDB configuration is not valid ({what}): {exc}"[:300])
+    if failure is MongoFailure.LOGIN_REFUSED:
+        return TransportError(f"MongoDB{at} refused the login: check the user and password")
+    if failure is MongoFailure.UNREACHABLE:
+        return TransportError(f"MongoDB is not reachable{at} (no server answered in time)", unreachable=True)
+    detail = scrub(str(exc), uri) if uri else str(exc)
+    return TransportError(f"MongoDB{at} refused {what}: {type(exc).__name__}: {detail}"[:500])
+
+
+@contextlib.contextmanager
+def mongo_errors(what: str, *, uri: str | None = None) -> Iterator[None]:
+    """``with mongo_errors("reading the inbox statistics"):`` raises :func:`mongo_error` for
+    every exception :data:`MONGO_ERRORS` names and lets the others through."""
+    try:
+        yield
+    except Exception as exc:
+        if mongo_failure(exc) is None:
+            raise
+        raise mongo_error(exc, what, uri=uri) from exc
+
+
+async def open_mongo(uri: str, *, timeout: float = 10.0) -> AsyncMongoClient[Any]:
+    """A client for ``uri`` that has answered a ping; the caller closes it.
+
+    ``timeout`` bounds server selection unless the URI sets ``serverSelectionTimeoutMS``
+    itself. Raises :class:`ConfigError` for a URI PyMongo refuses, :class:`TransportError`
+    when no server answers or the login is refused, with the URI redacted.
+    """
+    options: dict[str, Any] = {}
+    if "serverselectiontimeoutms" not in uri.lower():
+        options["serverSelectionTimeoutMS"] = int(timeout * 1000)
+    with mongo_errors("opening a client", uri=uri):
+        client: AsyncMongoClient[Any] = AsyncMongoClient(uri, **options)
+    try:
+        with mongo_errors("the ping", uri=uri):
+            await client.admin.command("ping")
+    except BaseException:
+        await client.close()
+        raise
+    return client

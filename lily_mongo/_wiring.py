@@ -20,9 +20,9 @@ import aio_pika.abc
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
+from ._mongo import mongo_error
 from ._observer import NO_OBSERVER, Observer
 from ._tasks import TaskSet
-from .errors import TransportError
 from .inbox import Inbox, InboxOptions
 from .observe import Snapshot
 from .outbox import OutboxRelay
@@ -132,7 +132,7 @@ async def build_engine(
             await inbox.prepare()
             await relay.prepare(passive=options.passive_indexes)
         except PyMongoError as exc:
-            raise TransportError(f"MongoDB refused the inbox set-up: {type(exc).__name__}: {exc}"[:500]) from exc
+            raise mongo_error(exc, "the inbox set-up") from exc
         inbox.start(tasks)
     runtime = Runtime(
         plan,

@@ -36,12 +36,11 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
     print(f"lily-mongo needs the 'cli' extra: pip install 'lily-mongo[cli]' ({exc.name} is missing)", file=sys.stderr)
     raise SystemExit(2) from exc
 
-import aiormq.exceptions
-from pymongo.errors import ConfigurationError, PyMongoError
-
 from . import inbox as inbox_records
-from ._connect import open_mongo, redact_url, scrub
+from ._amqp import channel_errors
 from ._logs import configure_logging
+from ._mongo import mongo_errors, open_mongo
+from ._redact import redact_url, scrub
 from ._text import describe_value
 from .asyncapi import asyncapi_document
 from .dlq import DlqListing, list_dead_letters, replay_dead_letters
@@ -125,7 +124,11 @@ class CommandError(Exception):
 
 
 def _classify(exc: BaseException, unreachable_hint: str = "") -> tuple[ExitCode, str]:
-    """The exit status and the one line for an exception that ended a command."""
+    """The exit status and the one line for an exception that ended a command.
+
+    Only lily errors are classified: the package maps its dependencies' errors at their
+    boundary (``_amqp.errors``, ``_mongo``); anything else is unexpected.
+    """
     if isinstance(exc, CommandError):
         return exc.code, str(exc)
     if isinstance(exc, PublishError):
@@ -134,12 +137,6 @@ def _classify(exc: BaseException, unreachable_hint: str = "") -> tuple[ExitCode,
         return ExitCode.UNAVAILABLE, f"{exc}{'; ' + unreachable_hint if exc.unreachable and unreachable_hint else ''}"
     if isinstance(exc, ConfigError):  # PlanError included
         return ExitCode.USAGE, str(exc)
-    if isinstance(exc, ConfigurationError):  # PyMongo: an invalid URI or option
-        return ExitCode.USAGE, f"MongoDB configuration: {exc}"
-    if isinstance(exc, aiormq.exceptions.ChannelAccessRefused):
-        return ExitCode.UNAVAILABLE, f"RabbitMQ refused access: {exc.args[0] if exc.args else 'ACCESS_REFUSED'}"
-    if isinstance(exc, aiormq.exceptions.AMQPError | PyMongoError | OSError):
-        return ExitCode.UNAVAILABLE, f"connection failed: {type(exc).__name__}"
     if isinstance(exc, LilyError):
         return ExitCode.FAILED, str(exc)
     return ExitCode.FAILED, f"unexpected {type(exc).__name__}: {exc} (run with --debug for the traceback)"
@@ -268,7 +265,9 @@ def run(
         assert consumer is not None
         probes = await _start_probes(http_host, http_port) if http_port is not None else None
         try:
-            managed = await consumer.start()
+            # What the engine's start lets through from the AMQP client, mapped like the rest.
+            with channel_errors("starting the consumer"):
+                managed = await consumer.start()
             if probes is not None:
                 probes.attach(managed)
             uninstall = managed.install_signal_handlers()
@@ -502,7 +501,8 @@ def inbox_stats(
     async def main() -> dict[str, dict[str, int]]:
         client = await open_mongo(mongo_uri, timeout=timeout)
         try:
-            return await inbox_records.inbox_stats(client[database], options)
+            with mongo_errors("reading the inbox statistics", uri=mongo_uri):
+                return await inbox_records.inbox_stats(client[database], options)
         finally:
             await client.close()
 

@@ -29,7 +29,9 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
 from . import Consumer, EventId, Json, MongoScope, Publisher, QueueHandlerError, RetryCount, RetryPolicy, queue
-from ._connect import connect_amqp, open_mongo, redact_url
+from ._amqp import channel_errors, connect_amqp
+from ._mongo import mongo_errors, open_mongo
+from ._redact import redact_url
 from .errors import TransportError
 from .lifecycle import ManagedConsumer, ShutdownReport
 
@@ -269,9 +271,25 @@ async def run_demo(
     transient_failures: int = 3,
     progress: Any = None,
 ) -> DemoResult:
-    """Run the demo end to end and return what it measured; ``progress(done, total)`` is called as it goes."""
+    """Run the demo end to end and return what it measured; ``progress(done, total)`` is called as it goes.
+
+    Raises lily errors only: what the AMQP client or PyMongo raise on the way is mapped.
+    """
     amqp_url = amqp_url or os.environ.get("LILY_AMQP_URL", DEFAULT_AMQP_URL)
     mongo_uri = mongo_uri or os.environ.get("LILY_MONGO_URI")
+    with channel_errors("running the orders demo"), mongo_errors("the orders demo", uri=mongo_uri):
+        return await _run_demo(orders, amqp_url, mongo_uri, seed, timeout, transient_failures, progress)
+
+
+async def _run_demo(
+    orders: int,
+    amqp_url: str,
+    mongo_uri: str | None,
+    seed: int | None,
+    timeout: float,
+    transient_failures: int,
+    progress: Any,
+) -> DemoResult:
     await check_broker(amqp_url)
     seed = seed if seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)

@@ -1,6 +1,6 @@
 """DLQ triage and controlled replay: what ``lily-mongo dlq list`` and ``dlq replay`` do.
 
-Every work queue ``Q`` has a dead-letter queue ``Q.dlq`` (SPEC section 3). Two
+Every work queue ``Q`` has a dead-letter queue ``Q.dlq`` (docs/settlement.md, section 8). Two
 paths lead there, with different evidence:
 
 * a **library copy**: the consumer published a copy with publisher confirms and
@@ -34,13 +34,11 @@ from typing import Any, Literal
 
 import aio_pika.abc
 import aiormq.abc
-import aiormq.exceptions
 from pamqp import commands as spec
 from yarl import URL
 
-from ._amqp import InboundMessage, publish_properties
+from ._amqp import InboundMessage, channel_errors, connect_amqp, publish_properties
 from ._checks import check_int, check_seconds
-from ._connect import connect_amqp
 from ._text import describe_value, sanitize
 from .bounds import (
     BROKER_COUNT_HEADERS,
@@ -224,9 +222,10 @@ class _Session:
     async def __aenter__(self) -> _Session:
         self.connection = await connect_amqp(self.url, robust=False)
         try:
-            self.reader = await (await self.connection.channel(publisher_confirms=False)).get_underlay_channel()
-            confirming = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
-            self.publisher = await confirming.get_underlay_channel()
+            with channel_errors("opening the DLQ tool's channels"):
+                self.reader = await (await self.connection.channel(publisher_confirms=False)).get_underlay_channel()
+                confirming = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
+                self.publisher = await confirming.get_underlay_channel()
         except BaseException:
             await self.connection.close()
             raise
@@ -239,21 +238,25 @@ class _Session:
     async def depth(self, name: str) -> int:
         """Ready messages in ``name`` (a passive declare on a channel of its own: a 404 closes it)."""
         assert self.connection is not None
-        channel = await self.connection.channel(publisher_confirms=False)
-        try:
-            declared = await channel.declare_queue(name, passive=True)
-        except aiormq.exceptions.ChannelNotFoundEntity as exc:
-            raise ConfigError(
+        errors = channel_errors(
+            f"checking queue {name!r}",
+            not_found=(
                 f"queue {name!r} does not exist on the broker; give the work queue's name (its DLQ is <name>.dlq)"
-            ) from exc
-        finally:
-            if not channel.is_closed:
-                await channel.close()
+            ),
+        )
+        with errors:
+            channel = await self.connection.channel(publisher_confirms=False)
+            try:
+                declared = await channel.declare_queue(name, passive=True)
+            finally:
+                if not channel.is_closed:
+                    await channel.close()
         return int(declared.declaration_result.message_count or 0)
 
     async def get(self) -> InboundMessage | None:
         assert self.reader is not None
-        delivered = await self.reader.basic_get(self.dlq, no_ack=False)
+        with channel_errors(f"reading {self.dlq!r}"):
+            delivered = await self.reader.basic_get(self.dlq, no_ack=False)
         if not isinstance(delivered.delivery, spec.Basic.GetOk):
             return None
         return InboundMessage(delivered)
@@ -265,48 +268,50 @@ class _Session:
         a copy would replace its original bytes with the lenient reading.
         """
         assert self.publisher is not None
-        if message.malformed is not None:
-            await message.nack(requeue=True)
-            return
-        headers = {k: v for k, v in message.headers.items() if k not in BROKER_COUNT_HEADERS}
-        # The broker accepts user_id only when it names the publishing connection's user.
-        drop = ("cluster_id",) if message.user_id in (None, self.user) else ("cluster_id", "user_id")
-        try:
-            await publish_properties(
-                self.publisher,
-                exchange="",
-                routing_key=self.dlq,
-                body=message.body,
-                properties=message.properties_with(headers, drop=drop),
-                timeout=timeout,
-            )
-        except TransportError:
-            await message.nack(requeue=True)  # nothing lost: the inspected message goes back
-            raise
-        await message.ack()
+        with channel_errors(f"putting a message back in {self.dlq!r}"):
+            if message.malformed is not None:
+                await message.nack(requeue=True)
+                return
+            headers = {k: v for k, v in message.headers.items() if k not in BROKER_COUNT_HEADERS}
+            # The broker accepts user_id only when it names the publishing connection's user.
+            drop = ("cluster_id",) if message.user_id in (None, self.user) else ("cluster_id", "user_id")
+            try:
+                await publish_properties(
+                    self.publisher,
+                    exchange="",
+                    routing_key=self.dlq,
+                    body=message.body,
+                    properties=message.properties_with(headers, drop=drop),
+                    timeout=timeout,
+                )
+            except TransportError:
+                await message.nack(requeue=True)  # nothing lost: the inspected message goes back
+                raise
+            await message.ack()
 
     async def move(self, message: InboundMessage, headers: Mapping[str, Any], timeout: float) -> None:
         """Publish ``message`` with ``headers`` to the work queue (confirmed), then ACK the DLQ copy."""
         assert self.publisher is not None
-        # What a retry copy keeps (settlement.md, section 7): not the expiration (the copy must not
-        # expire on the way), nor user_id (the broker checks it against this connection's user);
-        # a fresh message id, persistent.
-        properties = message.properties_with(headers, drop=("expiration", "user_id", "cluster_id"))
-        properties.message_id = uuid.uuid4().hex
-        properties.delivery_mode = 2
-        try:
-            await publish_properties(
-                self.publisher,
-                exchange="",
-                routing_key=self.queue,
-                body=message.body,
-                properties=properties,
-                timeout=timeout,
-            )
-        except TransportError:
-            await message.nack(requeue=True)
-            raise
-        await message.ack()
+        with channel_errors(f"moving a message of {self.dlq!r} to {self.queue!r}"):
+            # What a retry copy keeps (settlement.md, section 7): not the expiration (the copy must not
+            # expire on the way), nor user_id (the broker checks it against this connection's user);
+            # a fresh message id, persistent.
+            properties = message.properties_with(headers, drop=("expiration", "user_id", "cluster_id"))
+            properties.message_id = uuid.uuid4().hex
+            properties.delivery_mode = 2
+            try:
+                await publish_properties(
+                    self.publisher,
+                    exchange="",
+                    routing_key=self.queue,
+                    body=message.body,
+                    properties=properties,
+                    timeout=timeout,
+                )
+            except TransportError:
+                await message.nack(requeue=True)
+                raise
+            await message.ack()
 
 
 async def list_dead_letters(

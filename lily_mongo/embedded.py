@@ -8,7 +8,11 @@ One deviation is corrected here, in this process only: mongoeco's wire layer
 answers ``commitTransaction`` outside its ``failCommand`` check, so a
 ``configureFailPoint`` on ``commitTransaction`` never fires. MongoDB does fire
 it (before the commit applies), and the commit-failure tests rely on that, so
-the server started here consults the same failpoint state for commits.
+the server started here consults the same failpoint state for commits. The
+correction replaces a private mongoeco handler, so it is made only on the
+mongoeco versions the suite ran on (:data:`TESTED_MONGOECO`); on any other the
+server runs as mongoeco ships it (commit failpoints do not fire) and one INFO
+line on the ``lily_mongo`` logger says so (docs/emulator.md).
 
 Run as ``python -m lily_mongo.embedded [--host H] [--port P]``; it prints
 ``READY <uri>`` on stdout once it accepts connections and stops on SIGTERM/SIGINT.
@@ -19,12 +23,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import logging
 import signal
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["EmbeddedServer", "available", "main", "serve"]
+from ._versions import VersionRange, installed_version
+
+__all__ = ["TESTED_MONGOECO", "EmbeddedServer", "available", "main", "serve"]
+
+log = logging.getLogger("lily_mongo")
+
+# The mongoeco versions the suite runs on (uv.lock), up to the next minor release.
+TESTED_MONGOECO: Final = VersionRange("mongoeco", (4, 11, 0), (4, 12))
 
 
 def available() -> bool:
@@ -77,13 +89,23 @@ class EmbeddedServer:
             process.stdout.close()
 
 
-def _patch_commit_failpoints() -> None:
+def _patch_commit_failpoints() -> bool:
+    """Make ``commitTransaction`` consult the failpoints, on a tested mongoeco; True when it does."""
+    version = installed_version("mongoeco")
+    if not TESTED_MONGOECO.covers(version):
+        log.info(
+            "the embedded server runs mongoeco %s as it ships (tested: %s): a configureFailPoint on "
+            "commitTransaction does not fire",
+            version,
+            TESTED_MONGOECO,
+        )
+        return False
     from mongoeco.errors import ConnectionFailure, OperationFailure
     from mongoeco.wire._executor_handlers import WireSpecialCommandHandlers
 
     original = WireSpecialCommandHandlers._handle_commit_transaction
     if getattr(original, "_lily_failpoints", False):
-        return
+        return True
 
     async def handle_commit(self: Any, context: Any) -> dict[str, object]:
         state = getattr(self._client._engine, "_command_failpoint_state", None)
@@ -104,6 +126,7 @@ def _patch_commit_failpoints() -> None:
 
     handle_commit._lily_failpoints = True  # type: ignore[attr-defined]
     WireSpecialCommandHandlers._handle_commit_transaction = handle_commit  # type: ignore[method-assign]
+    return True
 
 
 async def serve(

@@ -10,12 +10,11 @@ from __future__ import annotations
 import datetime
 import decimal
 import re
-import types
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ._fast import slot_constructor
+from ._fast import canonical_uuid, slot_constructor
 from ._text import describe_key, describe_value
 from .bounds import (
     BOUNDS,
@@ -101,26 +100,8 @@ class Envelope:
     tracestate: str | None
 
 
-# The per-delivery constructor: see _fast.py for why and what it saves.
+# The per-delivery constructors: see _fast.py for why and what they save.
 _new_envelope = slot_constructor(Envelope)
-_new = object.__new__
-
-_UUID_SLOTS = (uuid.UUID.__dict__.get("int"), uuid.UUID.__dict__.get("is_safe"))
-if all(isinstance(slot, types.MemberDescriptorType) for slot in _UUID_SLOTS):
-    _SET_UUID_INT = uuid.UUID.__dict__["int"].__set__
-    _SET_UUID_SAFE = uuid.UUID.__dict__["is_safe"].__set__
-
-    def _parse_canonical_uuid(text: str) -> uuid.UUID:
-        """``uuid.UUID(text)`` for text already matched as canonical, without re-parsing its form."""
-        value = _new(uuid.UUID)
-        _SET_UUID_INT(value, int(text.replace("-", ""), 16))
-        _SET_UUID_SAFE(value, uuid.SafeUUID.unknown)
-        return value
-
-else:  # pragma: no cover - a Python whose UUID has no such slots
-
-    def _parse_canonical_uuid(text: str) -> uuid.UUID:
-        return uuid.UUID(text)
 
 
 def is_canonical_uuid(text: object) -> bool:
@@ -339,7 +320,7 @@ def _accept_common(headers: dict[str, object]) -> Envelope | None:
         return None
     if tracestate is not None and (type(tracestate) is not str or len(tracestate) > _TRACESTATE_BYTES):
         return None
-    return _new_envelope(_parse_canonical_uuid(event_text), version, kind, retry_count, traceparent, tracestate)
+    return _new_envelope(canonical_uuid(event_text), version, kind, retry_count, traceparent, tracestate)
 
 
 def validate_envelope(
@@ -415,7 +396,7 @@ def validate_envelope(
         _known_versions[version_text] = version
     if len(_known_kinds) < _KNOWN_LIMIT:
         _known_kinds[kind] = kind
-    return _new_envelope(_parse_canonical_uuid(event_text), version, kind, retry_count, traceparent, tracestate)
+    return _new_envelope(canonical_uuid(event_text), version, kind, retry_count, traceparent, tracestate)
 
 
 def sanitize_headers(headers: Mapping[str, object] | None) -> tuple[dict[str, object], int]:

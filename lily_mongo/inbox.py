@@ -389,7 +389,7 @@ class Inbox:
                 continue  # two concurrent upserts of a new key: the loser retries as an update
             assert record is not None
             return record
-        raise ConfigError("the inbox claim kept colliding on upsert")  # pragma: no cover
+        raise DuplicateKeyError("the inbox claim kept colliding on upsert")  # pragma: no cover - the caller defers
 
     async def _release(self, lease: _Lease, *, deferred: bool) -> int:
         """Fenced release: delete on a final verdict; on a deferral expire it and return the deferral count."""

@@ -31,8 +31,9 @@ from typing import Any, Literal, TypedDict, TypeVar, Unpack
 import aio_pika.abc
 from pymongo import AsyncMongoClient
 
+from ._amqp import connect_amqp
 from ._checks import check_amqp_url, check_bool, check_seconds
-from ._connect import connect_amqp, redact_url
+from ._redact import redact_url
 from ._tasks import TaskSet, raise_if_cancel_requested
 from ._tasks import uncancellable as _uncancellable
 from ._text import describe_value

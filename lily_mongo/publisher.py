@@ -18,9 +18,8 @@ from typing import Any, TypedDict, TypeVar, Unpack
 import aio_pika
 import aio_pika.abc
 
-from ._amqp import basic_publish
+from ._amqp import basic_publish, connect_amqp
 from ._checks import check_amqp_url, check_seconds
-from ._connect import connect_amqp
 from ._observer import NO_OBSERVER, Observer
 from ._text import describe_value
 from .bounds import BOUNDS

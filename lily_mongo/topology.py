@@ -1,4 +1,4 @@
-"""Queue topology per physical queue (SPEC section 3).
+"""Queue topology per physical queue (docs/settlement.md, section 8).
 
 For queue ``Q``: ``Q`` itself dead-letters broker-native rejections to
 ``Q.dlq`` through the default exchange; each distinct retry delay ``i`` is a
@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import aio_pika.abc
-import aiormq.exceptions
 
+from ._amqp import channel_errors
 from ._tasks import raise_if_cancel_requested
-from .errors import ConfigError, TransportError
+from .errors import ConfigError
 from .outgoing import OutgoingMessage
 from .plan import QueueOptions, RetryPolicy
 
@@ -71,21 +71,21 @@ async def declare_topology(connection: aio_pika.abc.AbstractConnection, options:
         )
     for name, arguments in declarations:
         # One channel per declaration: a refused declaration closes its channel.
-        channel = await connection.channel(publisher_confirms=False)
-        try:
-            if options.passive:
-                await channel.declare_queue(name, passive=True)
-            else:
-                await channel.declare_queue(name, durable=True, arguments=arguments)
-        except aiormq.exceptions.ChannelNotFoundEntity as exc:
-            raise ConfigError(f"queue {name!r} does not exist (passive topology verification)") from exc
-        except aiormq.exceptions.ChannelPreconditionFailed as exc:
-            raise ConfigError(f"queue {name!r} exists with other arguments than {arguments!r}: {exc}") from exc
-        except aiormq.exceptions.AMQPError as exc:
-            raise TransportError(f"declaring queue {name!r} failed: {type(exc).__name__}") from exc
-        finally:
-            if not channel.is_closed:
-                await channel.close()
+        errors = channel_errors(
+            f"declaring queue {name!r}",
+            not_found=f"queue {name!r} does not exist (passive topology verification)",
+            precondition=f"queue {name!r} exists with other arguments than {arguments!r}",
+        )
+        with errors:
+            channel = await connection.channel(publisher_confirms=False)
+            try:
+                if options.passive:
+                    await channel.declare_queue(name, passive=True)
+                else:
+                    await channel.declare_queue(name, durable=True, arguments=arguments)
+            finally:
+                if not channel.is_closed:
+                    await channel.close()
         raise_if_cancel_requested()
 
 
@@ -109,20 +109,22 @@ async def prepare_destinations(
         if message.declare:
             await declare_topology(connection, destination_options(message))
             continue
-        channel = await connection.channel(publisher_confirms=False)
+        what = f"exchange {message.exchange!r}" if message.exchange else f"queue {message.routing_key!r}"
         try:
-            if message.exchange:
-                await channel.declare_exchange(message.exchange, passive=True)
-            else:
-                await channel.declare_queue(message.routing_key, passive=True)
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            what = f"exchange {message.exchange!r}" if message.exchange else f"queue {message.routing_key!r}"
+            with channel_errors(f"checking the outbox destination {what}"):
+                channel = await connection.channel(publisher_confirms=False)
+                try:
+                    if message.exchange:
+                        await channel.declare_exchange(message.exchange, passive=True)
+                    else:
+                        await channel.declare_queue(message.routing_key, passive=True)
+                finally:
+                    if not channel.is_closed:
+                        await channel.close()
+        except ConfigError:  # the table's NOT_FOUND (a passive declaration): a warning, not a failure
             log.warning(
                 "the outbox destination %s does not exist: records sent to it are refused as unroutable until it is "
                 "declared (by its consumer, or with sends(..., declare=True))",
                 what,
             )
-        finally:
-            if not channel.is_closed:
-                await channel.close()
         raise_if_cancel_requested()

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lily_mongo import envelope as envelope_module
+from lily_mongo._fast import canonical_uuid
 from lily_mongo.bounds import BOUNDS
 from lily_mongo.envelope import Envelope, EnvelopeError, validate_envelope
 
@@ -569,7 +570,7 @@ def test_fast_path_is_taken_for_a_typical_delivery() -> None:
 @FAST
 @given(event_id=canonical_uuids)
 def test_fast_uuid_construction_equals_uuid_parsing(event_id: uuid.UUID) -> None:
-    parsed = envelope_module._parse_canonical_uuid(str(event_id))
+    parsed = canonical_uuid(str(event_id))
     assert parsed == event_id
     assert hash(parsed) == hash(event_id)
     assert str(parsed) == str(event_id)

@@ -1,12 +1,12 @@
 """lily's frame decoding gives exactly what aiormq gets from pamqp (no broker).
 
-:func:`lily_mongo._amqp.unmarshal_frame` decodes basic.deliver, content headers, bodies
+:func:`lily_mongo._amqp.receiver.unmarshal_frame` decodes basic.deliver, content headers, bodies
 and heartbeats directly and leaves every other frame to ``pamqp.frame.unmarshal``. For
 generated frames (hot ones with random fields, property subsets and header tables of
 every field type; other methods; and all of them damaged: cut short, lengthened, with a
 wrong frame end) it must return the same (bytes consumed, channel, frame object), object
 for object and attribute for attribute, or raise what aiormq's receiver raises. Read as a
-connection reads them (:class:`LenientFrameReceiver` over a :class:`LenientFrameReader`),
+connection reads them (:class:`FastFrameReceiver` over a :class:`LenientFrameReader`),
 a stream of such frames split at any byte across two socket reads decodes to the same.
 """
 
@@ -23,7 +23,10 @@ from pamqp import commands as spec
 from pamqp import exceptions as pamqp_exceptions
 from pamqp import frame as pamqp_frame
 
-from lily_mongo._amqp import LenientFrameReader, LenientFrameReceiver, _decode, unmarshal_frame
+from lily_mongo._amqp.codec import decode_frame
+from lily_mongo._amqp.lenient import LenientFrameReader
+from lily_mongo._amqp.patches import FastFrameReceiver
+from lily_mongo._amqp.receiver import unmarshal_frame
 from tests.support import same, short_bytes
 
 
@@ -252,7 +255,7 @@ def test_pamqp_objects_compare_equal(frame: bytes) -> None:
         assert got[2].properties == expected[2].properties
     # Read directly, not handed to pamqp: every well-formed hot frame.
     hot = frame[0] in (2, 3, 8) or frame[7:11] == spec.Basic.Deliver.index.to_bytes(4)
-    assert (_decode(frame, {}) is not None) == hot
+    assert (decode_frame(frame, {}) is not None) == hot
 
 
 class Pieces:
@@ -269,7 +272,7 @@ class Pieces:
 
 
 async def receive(pieces: list[bytes], count: int) -> list[tuple[int, int, Any]]:
-    receiver = LenientFrameReceiver(LenientFrameReader(Pieces(pieces)))  # type: ignore[arg-type]
+    receiver = FastFrameReceiver(LenientFrameReader(Pieces(pieces)))  # type: ignore[arg-type]
     return [await receiver.get_frame() for _ in range(count)]
 
 

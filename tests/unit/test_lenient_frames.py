@@ -1,7 +1,7 @@
 """The lenient frame reader between a connection's socket and aiormq's frame receiver (no broker).
 
 Frames are fed to a stream and read back through aiormq's own ``FrameReceiver`` and through
-lily's ``LenientFrameReceiver`` (which must agree), the way a connection reads them:
+lily's ``FastFrameReceiver`` (which must agree), the way a connection reads them:
 ordinary frames come through byte for byte; a delivery whose metadata pamqp cannot decode
 comes through readable and marked instead of ending the connection.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import aiormq.abc
@@ -22,19 +23,14 @@ from pamqp import frame as pamqp_frame
 from pamqp import header as pamqp_header
 from pamqp.heartbeat import Heartbeat
 
-from lily_mongo._amqp import (
-    MALFORMED_HEADER,
-    InboundMessage,
-    LenientFrameReader,
-    LenientFrameReceiver,
-    LilyProperties,
-    unbounded_frame_queue,
-)
-from lily_mongo._connect import FrameReceiverChoice
+from lily_mongo._amqp import MALFORMED_HEADER, InboundMessage, LenientFrameReader, LilyProperties, patches
+from lily_mongo._amqp.patches import FastFrameReceiver, unbounded_frame_queue
 from tests.support import long_string_value, raw_properties, raw_table, same, short_bytes
+from tests.versions import untested
 
-# aiormq's own receiver, as the module defined it (the global names lily's subclass now).
-FrameReceiver = FrameReceiverChoice.__mro__[1]
+# aiormq's own receiver, as the module defined it (once the fast path is active the global
+# names lily's subclass of it).
+FrameReceiver = FastFrameReceiver.__mro__[1]
 
 EVENT_ID = "0f8fad5b-d9cb-469f-a165-70867728950e"
 ENVELOPE = [
@@ -69,7 +65,7 @@ async def receive(data: bytes, count: int) -> list[tuple[int, Any]]:
     raise the same error.
     """
     outcomes: list[list[tuple[int, Any]] | BaseException] = []
-    for make in (FrameReceiver, LenientFrameReceiver):
+    for make in (FrameReceiver, FastFrameReceiver):
         stream = asyncio.StreamReader()
         stream.feed_data(data)
         stream.feed_eof()
@@ -114,7 +110,7 @@ async def test_ordinary_frames_pass_byte_for_byte() -> None:
     assert reader.at_eof()
 
 
-@pytest.mark.parametrize("make", [FrameReceiver, LenientFrameReceiver])
+@pytest.mark.parametrize("make", [FrameReceiver, FastFrameReceiver])
 @pytest.mark.parametrize("piece", [1, 5, 7, 13, 64, 100_000])
 async def test_frames_split_across_socket_reads_arrive_whole_and_checked(piece: int, make: Any) -> None:
     # The reader reads the socket in chunks; a frame may end in the next one, a body in a later one.
@@ -178,7 +174,7 @@ async def test_an_undecodable_header_name_arrives_readable_and_marked() -> None:
             "a nested header name in 'meta' is not valid UTF-8",
         ),
         (
-            {"headers": raw_table([(b"list", b"A" + (7).to_bytes(4) + b"F" + raw_table([(b"\xff", b"t\x01")]))])},
+            {"headers": raw_table([(b"list", b"A" + (9).to_bytes(4) + b"F" + raw_table([(b"\xff", b"t\x01")]))])},
             "a nested header name in 'list' is not valid UTF-8",
         ),
     ],
@@ -233,15 +229,57 @@ async def test_the_brokers_protocol_header_still_ends_the_handshake() -> None:
 
 async def test_only_lenient_connections_get_lilys_receiver() -> None:
     # aiormq builds every connection's receiver through the module global.
-    assert aiormq.connection.FrameReceiver is FrameReceiverChoice
-    assert issubclass(FrameReceiverChoice, FrameReceiver)  # type checks against the global still hold
-    lenient = aiormq.connection.FrameReceiver(LenientFrameReader(asyncio.StreamReader()))  # type: ignore[arg-type]
+    assert patches.active() == "fast"  # the installed aiormq and pamqp are the tested ones
+    choice = aiormq.connection.FrameReceiver
+    assert choice is not FrameReceiver
+    assert issubclass(choice, FrameReceiver)  # type checks against the global still hold
+    reader = LenientFrameReader(asyncio.StreamReader())
+    lenient = aiormq.connection.FrameReceiver(reader)  # type: ignore[arg-type]
     plain = aiormq.connection.FrameReceiver(asyncio.StreamReader())
-    assert type(lenient) is LenientFrameReceiver
+    assert type(lenient) is FastFrameReceiver
+    assert reader.receiver == "fast"
     assert isinstance(plain, FrameReceiver)
     assert type(plain).__mro__[1:] == FrameReceiver.__mro__  # aiormq's receiver, nothing added
     assert plain.reader is not None  # aiormq's __init__ ran
     assert not plain.started
+
+
+@pytest.fixture
+def untested_aiormq(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with untested(monkeypatch, "aiormq"):
+        yield
+
+
+@pytest.mark.usefixtures("untested_aiormq")
+async def test_outside_the_tested_versions_a_lenient_connection_gets_aiormqs_receiver(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO", logger="lily_mongo")
+    reader = LenientFrameReader(asyncio.StreamReader())
+    receiver = aiormq.connection.FrameReceiver(reader)  # type: ignore[arg-type]
+    assert type(receiver) is not FastFrameReceiver
+    assert isinstance(receiver, FrameReceiver)
+    assert reader.receiver == "stock"
+    channel = types.SimpleNamespace(frames=asyncio.Queue(maxsize=10))
+    unbounded_frame_queue(channel)  # type: ignore[arg-type]
+    assert channel.frames.maxsize == 10
+    assert patches.active() == "stock"
+    said = [r.getMessage() for r in caplog.records if r.name == "lily_mongo"]
+    assert len(said) == 1, said
+    assert "aiormq 8.0.0" in said[0]
+    assert caplog.records[0].levelname == "INFO"
+
+
+@pytest.mark.usefixtures("untested_aiormq")
+async def test_the_stock_receiver_still_reads_leniently() -> None:
+    data = deliver(b"orders.\xff", tag=4) + content_header(raw_properties(headers=raw_table(ENVELOPE)))
+    stream = asyncio.StreamReader()
+    stream.feed_data(data)
+    stream.feed_eof()
+    receiver = aiormq.connection.FrameReceiver(LenientFrameReader(stream))  # type: ignore[arg-type]
+    (_, _, method), (_, _, header) = [await receiver.get_frame() for _ in range(2)]
+    assert method.routing_key == "orders.\ufffd"
+    assert header.properties.headers[MALFORMED_HEADER] == "the routing key is not valid UTF-8"
 
 
 def test_an_inbound_message_takes_the_mark_out_of_its_headers() -> None:

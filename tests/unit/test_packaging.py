@@ -62,18 +62,35 @@ def locked_version(package: str) -> str:
     return str(version)
 
 
-@pytest.mark.parametrize(
-    ("requirement_list", "package"),
-    [(("optional-dependencies", "cli"), "typer"), (("dependencies",), "aiormq"), (("dependencies",), "aio-pika")],
-)
-def test_lower_bounds_are_the_locked_tested_versions(requirement_list: tuple[str, ...], package: str) -> None:
-    # The command relies on typer's pretty_exceptions_show_locals=False; the connections on
-    # aiormq's transport factory reaching it through aio-pika: only the locked versions are tested.
+def requirement_of(requirement_list: tuple[str, ...], package: str) -> str:
     requirements: Any = PYPROJECT["project"]
     for key in requirement_list:
         requirements = requirements[key]
     (requirement,) = [r for r in requirements if r.split(">=")[0].strip() == package]
-    assert requirement == f"{package}>={locked_version(package)}"
+    return str(requirement)
+
+
+@pytest.mark.parametrize(
+    ("requirement_list", "package"),
+    [
+        (("optional-dependencies", "cli"), "typer"),
+        (("dependencies",), "aiormq"),
+        (("dependencies",), "pamqp"),
+        (("dependencies",), "aio-pika"),
+    ],
+)
+def test_lower_bounds_are_the_locked_tested_versions(requirement_list: tuple[str, ...], package: str) -> None:
+    # The command relies on typer's pretty_exceptions_show_locals=False; the connections on
+    # aiormq's transport factory reaching it through aio-pika, the frame decoding on pamqp's
+    # objects: only the locked versions are tested.
+    requirement = requirement_of(requirement_list, package)
+    assert requirement.split(",")[0] == f"{package}>={locked_version(package)}"
+
+
+@pytest.mark.parametrize("package", ["aiormq", "pamqp"])
+def test_libraries_reached_into_stop_before_their_next_major_version(package: str) -> None:
+    major = int(locked_version(package).split(".")[0])
+    assert requirement_of(("dependencies",), package).split(",")[1:] == [f"<{major + 1}"]
 
 
 # -- the unit tier needs no extra -------------------------------------------------------------------

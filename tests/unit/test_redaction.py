@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lily_mongo import Consumer
-from lily_mongo._connect import redact_url, scrub
+from lily_mongo._redact import redact_url, scrub
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,55 @@
+"""The AMQP wire layer: how the package reads, settles and publishes frames through aiormq.
+
+One module per concern, lowest first:
+
+* :mod:`.codec`: the frame layouts (basic.deliver, content header, field table),
+  each walked by one function, strictly (the direct decoding) or leniently;
+* :mod:`.errors`: the table mapping AMQP client errors to lily errors;
+* :mod:`.publishing`: mandatory, confirmed publishes (LongInt retry counts, copies);
+* :mod:`.lenient`: the lenient frame reader between a connection's socket and its receiver;
+* :mod:`.receiver`: lily's frame receiver (whole frames, hot ones decoded directly);
+* :mod:`.coalescer`: one consuming channel's ACK frames, coalesced;
+* :mod:`.inbound`: one consumed delivery as the runtime reads and settles it;
+* :mod:`.patches`: every reach into aiormq's, aio-pika's and asyncio's internals,
+  behind one version check with a stock fallback;
+* :mod:`.connections`: opening connections, and what a refused one says.
+"""
+
+from __future__ import annotations
+
+from .coalescer import AckCoalescer
+from .connections import LenientTransport, connect_amqp, frame_path
+from .errors import AMQP_ERRORS, AmqpFailure, amqp_failure, channel_errors, map_amqp_errors
+from .inbound import InboundMessage
+from .lenient import MALFORMED_HEADER, LenientFrameReader
+from .patches import unbounded_frame_queue
+from .publishing import (
+    LONG_INT_HEADERS,
+    LilyProperties,
+    basic_publish,
+    encode_headers_table,
+    publish_properties,
+    republish,
+)
+
+__all__ = [
+    "AMQP_ERRORS",
+    "LONG_INT_HEADERS",
+    "MALFORMED_HEADER",
+    "AckCoalescer",
+    "AmqpFailure",
+    "InboundMessage",
+    "LenientFrameReader",
+    "LenientTransport",
+    "LilyProperties",
+    "amqp_failure",
+    "basic_publish",
+    "channel_errors",
+    "connect_amqp",
+    "encode_headers_table",
+    "frame_path",
+    "map_amqp_errors",
+    "publish_properties",
+    "republish",
+    "unbounded_frame_queue",
+]

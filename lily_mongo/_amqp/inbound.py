@@ -1,0 +1,155 @@
+"""One consumed delivery as the runtime reads and settles it: :class:`InboundMessage`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import aiormq.abc
+from pamqp import commands as spec
+
+from .coalescer import AckCoalescer
+from .codec import PROPERTY_NAMES
+from .lenient import MALFORMED_HEADER
+from .publishing import LilyProperties
+
+__all__ = ["InboundMessage"]
+
+
+class InboundMessage:
+    """One consumed delivery: the fields the pipeline reads, and its settlement on its own channel.
+
+    Built from aiormq's delivered frame in the consumer callback. aio-pika's
+    ``IncomingMessage`` would set some thirty attributes through a Python
+    ``__setattr__`` and run each callback in a second task; on a busy queue that
+    costs about as much CPU as the whole delivery pipeline. The values are the
+    same ones aio-pika exposes (headers, timestamp, ... as pamqp decoded them).
+    A delivery is settled at most once: a second ACK/NACK/reject raises. Given the
+    :class:`AckCoalescer` of its channel, it settles through it (its ACK may then
+    share a frame with others); otherwise each settlement is a frame of its own.
+
+    ``malformed`` is ``None``, or says which part of the delivery's metadata was not
+    valid AMQP when it arrived (see :class:`LenientFrameReader`); the fields then
+    hold the lenient reading, and the delivery is refused before anything else.
+    Built from a ``basic.deliver`` (consuming) or a ``basic.get-ok`` (the DLQ tools).
+    """
+
+    __slots__ = (
+        "_acks",
+        "_properties",
+        "_settled",
+        "body",
+        "channel",
+        "content_type",
+        "delivery_tag",
+        "exchange",
+        "headers",
+        "malformed",
+        "redelivered",
+        "routing_key",
+    )
+
+    def __init__(self, delivered: aiormq.abc.DeliveredMessage, acks: AckCoalescer | None = None) -> None:
+        properties = delivered.header.properties
+        delivery = delivered.delivery
+        assert isinstance(delivery, spec.Basic.Deliver | spec.Basic.GetOk)
+        self._properties = properties
+        self._settled = False
+        self.body: bytes = delivered.body
+        self.channel: aiormq.abc.AbstractChannel = delivered.channel
+        self.content_type: str | None = properties.content_type
+        self.delivery_tag: int = delivery.delivery_tag or 0
+        self.exchange: str = delivery.exchange or ""
+        headers: dict[str, Any] = properties.headers or {}
+        self.headers = headers
+        # The lenient reader's mark: a key no producer can know (see MALFORMED_HEADER).
+        self.malformed: str | None = headers.pop(MALFORMED_HEADER, None)
+        self.redelivered: bool = bool(delivery.redelivered)
+        self.routing_key: str = delivery.routing_key or ""
+        # Only the coalescer of this very channel: a delivery never settles on another one.
+        if acks is not None and acks.channel is delivered.channel:
+            acks.delivered(self.delivery_tag)
+            self._acks: AckCoalescer | None = acks
+        else:
+            self._acks = None
+
+    def __repr__(self) -> str:
+        return f"<InboundMessage tag={self.delivery_tag} routing_key={self.routing_key!r} body={len(self.body)} bytes>"
+
+    # Read only on failure paths (handoff copies, failure keys): straight from the frame.
+    @property
+    def message_id(self) -> str | None:
+        return self._properties.message_id
+
+    @property
+    def correlation_id(self) -> str | None:
+        return self._properties.correlation_id
+
+    @property
+    def reply_to(self) -> str | None:
+        return self._properties.reply_to
+
+    @property
+    def app_id(self) -> str | None:
+        return self._properties.app_id
+
+    @property
+    def content_encoding(self) -> str | None:
+        return self._properties.content_encoding
+
+    @property
+    def priority(self) -> int | None:
+        return self._properties.priority
+
+    @property
+    def timestamp(self) -> Any:
+        return self._properties.timestamp
+
+    @property
+    def type(self) -> str | None:
+        return self._properties.message_type
+
+    @property
+    def user_id(self) -> str | None:
+        return self._properties.user_id
+
+    def properties_with(self, headers: Mapping[str, Any], *, drop: tuple[str, ...] = ()) -> LilyProperties:
+        """Every AMQP property of this delivery as it arrived, with ``headers`` as the header table
+        and the properties named in ``drop`` left out (for a faithful copy of the message)."""
+        values = {name: getattr(self._properties, name) for name in PROPERTY_NAMES}
+        values["headers"] = dict(headers)
+        for name in drop:
+            values[name] = None
+        values["cluster_id"] = values.get("cluster_id") or ""  # pamqp encodes only an empty one
+        return LilyProperties(**values)
+
+    def _claim(self, what: str) -> None:
+        if self._settled:
+            raise RuntimeError(f"delivery {self.delivery_tag} is already settled; refusing a second {what}")
+        self._settled = True
+
+    async def ack(self) -> None:
+        """ACK; returns once a frame settling this delivery was written."""
+        self._claim("ack")
+        if self._acks is not None:
+            await self._acks.ack(self.delivery_tag)
+        else:
+            await self.channel.basic_ack(self.delivery_tag)
+
+    async def nack(self, *, requeue: bool = True) -> None:
+        self._claim("nack")
+        if self._acks is not None:
+            await self._acks.alone(
+                self.delivery_tag, lambda: self.channel.basic_nack(self.delivery_tag, requeue=requeue)
+            )
+        else:
+            await self.channel.basic_nack(self.delivery_tag, requeue=requeue)
+
+    async def reject(self, *, requeue: bool = False) -> None:
+        self._claim("reject")
+        if self._acks is not None:
+            await self._acks.alone(
+                self.delivery_tag, lambda: self.channel.basic_reject(self.delivery_tag, requeue=requeue)
+            )
+        else:
+            await self.channel.basic_reject(self.delivery_tag, requeue=requeue)
