@@ -16,7 +16,7 @@ event inside the transaction.
   the outbox relay is off (``InboxOptions(run_relay=False)``) unless ``--relay``;
   first-time copies claim their record inside the transaction (the default)
   unless ``--lease-first`` (``InboxOptions(claim_in_transaction=False)``: every
-  copy takes the lease claim first, SPEC section 5's 3 + k path).
+  copy takes the lease claim first, the 3 + k path of docs/inbox.md).
 * hand: what a competent user writes with aio-pika and ``pymongo.AsyncMongoClient``:
   prefetch, a semaphore for the concurrency, and per message a session and a
   transaction (snapshot read concern, majority write concern) that inserts the

@@ -1,6 +1,6 @@
 """lily_mongo: RabbitMQ consumers whose handlers run once per event inside MongoDB transactions.
 
-The public surface (SPEC section 7); implementation modules may change.
+The public surface (docs/design.md, section 2); implementation modules may change.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Option checks: each raises :class:`ConfigError` naming the field, the value and the bound.
 
-Options are checked once, when they are given (STYLE.md, convention 5); the
+Options are checked once, when they are given (docs/design.md, options); the
 value in a message is a bounded description (:func:`describe_value`), never an
 unbounded echo of what the caller passed, and a URL is shown redacted. Pure: no
 I/O library is imported (pure modules such as :mod:`lily_mongo.content` use it).

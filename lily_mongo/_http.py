@@ -3,7 +3,7 @@
 Needs the ``http`` extra: aiohttp's web server runs inside the consumer's event
 loop (so every request reads the consumer's state in the thread that changes
 it), and prometheus_client writes the text exposition. The library itself
-opens no HTTP port (SPEC section 6); only the command does, when asked.
+opens no HTTP port (docs/observability.md, section 3); only the command does, when asked.
 
 * ``GET /healthz``: 200 while the process is alive and the supervisor has not
   failed (503 once it ended with an error);

@@ -1,4 +1,4 @@
-"""An AsyncAPI 3.0 document generated from a consumer plan (SPEC section 6).
+"""An AsyncAPI 3.0 document generated from a consumer plan (docs/asyncapi.md).
 
 One channel per physical queue plus its retry buckets and DLQ; one receive
 operation per queue; one message per (schema version, content kind) with the

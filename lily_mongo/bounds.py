@@ -1,4 +1,4 @@
-"""The single table of every limit in SPEC section 4.
+"""The single table of every limit (docs/contracts.md section 6, docs/configuration.md).
 
 Every check in the package reads its limit from :data:`BOUNDS`; tests import
 the same table for the limits only and state expected outcomes independently.
@@ -31,7 +31,7 @@ MiB = 1024 * KiB
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """Hard limits of a consumer plan and of every delivery (SPEC section 4)."""
+    """Hard limits of a consumer plan and of every delivery (docs/contracts.md section 6)."""
 
     physical_queues: int = 256
     linked_handlers: int = 512
@@ -70,7 +70,7 @@ class Bounds:
     failure_reason_bytes: int = 512
     failure_code_bytes: int = 64
     # Room kept free in every accepted delivery's metadata for the headers the
-    # framework adds on a retry/DLQ handoff (SPEC section 3): an incoming message
+    # framework adds on a retry/DLQ handoff (docs/settlement.md section 7): an incoming message
     # is accepted only if its metadata plus this reserve fits the aggregate bound.
     handoff_reserve_bytes: int = 2 * KiB
     terminal_observations: int = 4096
@@ -78,7 +78,7 @@ class Bounds:
 
 BOUNDS = Bounds()
 
-# The headers the framework writes on a handoff copy (SPEC section 3), spelled once:
+# The headers the framework writes on a handoff copy (docs/settlement.md section 7), spelled once:
 # every module that reads or writes them imports these names.
 RETRY_COUNT_HEADER = "x-retry-count"
 FAILURE_CODE_HEADER = "x-lily-failure-code"

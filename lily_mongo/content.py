@@ -1,4 +1,4 @@
-"""Content contracts: the ``x-lily-content-kind`` token, its MIME type and its encoder (SPEC section 2).
+"""Content contracts: the ``x-lily-content-kind`` token, its MIME type and its encoder (docs/contracts.md section 4).
 
 The built-in tokens ``json``, ``text`` and ``binary`` and their MIME types are
 defined here once: the publisher writes them, the AsyncAPI document describes

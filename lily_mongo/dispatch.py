@@ -1,6 +1,6 @@
-"""From a delivery to a handler verdict: prepare, select, bind, invoke (SPEC section 2).
+"""From a delivery to a handler verdict: prepare, select, bind, invoke (docs/contracts.md section 5).
 
-Pure: no I/O library. :func:`prepare` runs the checks SPEC section 2 orders
+Pure: no I/O library. :func:`prepare` runs the checks docs/contracts.md section 5 orders
 before any handler code or scope opens (body size and envelope, handler
 selection, payload decode). :func:`invoke` runs one attempt (middleware,
 guards, handler) and turns whatever it raises into a :class:`PipelineResult`.

@@ -1,4 +1,4 @@
-"""The canonical message envelope and the metadata bounds (SPEC sections 2 and 4).
+"""The canonical message envelope and the metadata bounds (docs/contracts.md).
 
 Pure: imports no I/O library, so it can run on every delivery in microseconds
 and be fuzzed. :func:`validate_envelope` is the first thing the consumer calls
@@ -238,7 +238,7 @@ def _check_metadata(headers: Mapping[str, object]) -> None:
 
 
 def valid_traceparent(text: str) -> bool:
-    """True for a W3C ``traceparent`` a receiver continues (SPEC section 4): lower-case hex
+    """True for a W3C ``traceparent`` a receiver continues (docs/contracts.md section 3): lower-case hex
     fields of the version-00 lengths, a version other than ``ff``, no all-zero id."""
     return _TRACEPARENT_RE.fullmatch(text) is not None
 
@@ -331,7 +331,7 @@ def validate_envelope(
 ) -> Envelope:
     """Validate a delivery's headers and body size; return its canonical :class:`Envelope`.
 
-    Checks run in the order of SPEC section 2: body size (``QUEUE_BODY_TOO_LARGE``),
+    Checks run in the order of docs/contracts.md section 5: body size (``QUEUE_BODY_TOO_LARGE``),
     metadata bounds (``QUEUE_METADATA_BOUNDS_EXCEEDED``), canonical envelope
     (``QUEUE_ENVELOPE_INVALID``). Raises only :class:`EnvelopeError`.
     """
@@ -402,7 +402,7 @@ def validate_envelope(
 def sanitize_headers(headers: Mapping[str, object] | None) -> tuple[dict[str, object], int]:
     """The headers that fit every metadata bound on their own, for a handoff copy.
 
-    Used when building retry/DLQ copies (SPEC section 3): a header that breaks a
+    Used when building retry/DLQ copies (docs/settlement.md section 7): a header that breaks a
     bound (or would push the aggregate past its bound) is dropped rather than
     echoed; returns the kept headers and how many were dropped.
     """

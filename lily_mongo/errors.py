@@ -1,7 +1,7 @@
 """The exception tree and the stable error codes.
 
 One root (:class:`LilyError`) with subtrees by what the caller can do about it
-(STYLE.md, convention 2). Error codes are plain strings on the wire
+(docs/design.md, errors). Error codes are plain strings on the wire
 (``x-lily-failure-code``); :class:`ErrorCode` names the ones the framework
 itself produces.
 """
@@ -25,7 +25,7 @@ __all__ = [
 
 
 class ErrorCode(enum.StrEnum):
-    """Stable failure codes produced by the framework (SPEC section 7)."""
+    """Stable failure codes produced by the framework (docs/settlement.md lists them)."""
 
     ENVELOPE_INVALID = "QUEUE_ENVELOPE_INVALID"
     METADATA_BOUNDS_EXCEEDED = "QUEUE_METADATA_BOUNDS_EXCEEDED"
@@ -39,7 +39,7 @@ class ErrorCode(enum.StrEnum):
     HANDLER_TIMEOUT = "QUEUE_HANDLER_TIMEOUT"
     GUARD_REJECTED = "QUEUE_GUARD_REJECTED"
     # Deferral codes: why a delivery was requeued without spending an application retry
-    # (SPEC section 3, "deferred"). Kept unprefixed: they never reach a DLQ copy as such
+    # (docs/settlement.md section 4, "deferred"). Kept unprefixed: they never reach a DLQ copy as such
     # (an exhausted deferral bound dead-letters with QUEUE_DEFERRALS_EXHAUSTED).
     LEASE_HELD = "LEASE_HELD"
     LEASE_LOST = "LEASE_LOST"
@@ -59,7 +59,7 @@ class ConfigError(LilyError, ValueError):
 
 
 class PlanError(ConfigError):
-    """The registered consumer plan breaks a bound or a rule (SPEC section 4)."""
+    """The registered consumer plan breaks a bound or a rule (docs/configuration.md)."""
 
 
 class EnvelopeError(LilyError):

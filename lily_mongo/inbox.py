@@ -1,4 +1,4 @@
-"""The MongoDB inbox: one record per (handler, event) carries the lease and the completion (SPEC section 5).
+"""The MongoDB inbox: one record per (handler, event) carries the lease and the completion (docs/inbox.md).
 
 For one delivery of handler ``H`` and event ``E`` (record ``_id`` ``"H|E"``):
 
@@ -30,7 +30,7 @@ For one delivery of handler ``H`` and event ``E`` (record ``_id`` ``"H|E"``):
    (fenced), then the runtime hands off; a deferral expires the lease and counts
    the deferral.
 
-Budget (SPEC section 5): a first-time delivery whose handler makes ``k`` writes
+Budget (docs/inbox.md, commands per delivery): a first-time delivery whose handler makes ``k`` writes
 sends ``2 + k`` commands (the claim in the transaction, k writes, commit), a
 redelivered one ``3 + k`` (claim, completion, k writes, commit); a redelivered
 copy of a completed event sends 1 (the claim), a first-time one 2 (the claim in

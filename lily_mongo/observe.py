@@ -1,4 +1,4 @@
-"""Operational snapshots and terminal observations (SPEC section 6).
+"""Operational snapshots and terminal observations (docs/operations.md).
 
 :class:`QueueSnapshot` and :class:`Snapshot` are bounded aggregates: counts
 only, never payloads, event ids, routing keys, endpoints or credentials.

@@ -1,4 +1,4 @@
-"""The transactional outbox and its relay (SPEC section 5).
+"""The transactional outbox and its relay (docs/outbox.md).
 
 Handlers write outgoing messages with ``mongo.outbox.publish_json(...)``: the
 record is inserted in the attempt's transaction, so it commits (or not)

@@ -1,4 +1,4 @@
-"""Registration and the consumer plan: every bound of SPEC section 4 checked once.
+"""Registration and the consumer plan: every bound (docs/configuration.md) checked once.
 
 ``@queue(...)`` records a handler route on the function; ``Consumer.include``
 and ``Consumer.configure_queue`` feed a :class:`PlanBuilder`; ``build()``
@@ -43,7 +43,7 @@ Guard = Callable[["DeliveryContext"], Awaitable[bool | None]]
 with your own code, or return False to refuse with permanent ``QUEUE_GUARD_REJECTED``."""
 
 _HANDLER_ATTR = "__lily_routes__"
-# Longest derived name: "<queue>.retry.<31>" (SPEC section 3 topology).
+# Longest derived name: "<queue>.retry.<31>" (docs/settlement.md section 8, topology).
 _LONGEST_SUFFIX = max(len(f".retry.{BOUNDS.retry_buckets_per_queue - 1}"), len(".dlq"))
 _MAX_DELAY_SECONDS = 7 * 24 * 3600.0
 
@@ -280,7 +280,7 @@ class Plan:
 
 @dataclass
 class PlanBuilder:
-    """Collects registrations; :meth:`build` checks them all against SPEC section 4."""
+    """Collects registrations; :meth:`build` checks them all against every bound (docs/configuration.md)."""
 
     name: str
     has_mongo: bool

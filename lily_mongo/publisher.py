@@ -1,4 +1,4 @@
-"""The typed publisher (SPEC section 2): MIME and every Lily header written together.
+"""The typed publisher (docs/contracts.md section 8): MIME and every Lily header written together.
 
 Every publish is mandatory on a channel with publisher confirms; an unroutable,
 nacked or unconfirmed publish raises :class:`PublishError`. The same

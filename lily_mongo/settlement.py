@@ -1,4 +1,4 @@
-"""The settlement of SPEC section 3: a pure decision table and the loop that drives it.
+"""Settlement (docs/settlement.md): a pure decision table and the loop that drives it.
 
 :func:`decide` is the decision table. :func:`settle` is the loop every delivery
 goes through: it asks :func:`decide` for the next step, performs it through
@@ -189,7 +189,7 @@ def _terminal_for(result: PipelineResult, target: Step, evidence: Evidence) -> T
 
 
 def decide(result: PipelineResult, budget: Budget, evidence: Evidence) -> Step:
-    """The next settlement step for one delivery (SPEC section 3 decision table)."""
+    """The next settlement step for one delivery (the decision table of docs/settlement.md section 1)."""
     target = _target(result, budget)
     if evidence.settle is SettleState.SENT:
         return Step(StepKind.DONE, target.code, target.reason, terminal=_terminal_for(result, target, evidence))
@@ -220,7 +220,7 @@ def decide(result: PipelineResult, budget: Budget, evidence: Evidence) -> Step:
 def handoff_headers(
     original: Mapping[str, object], step: Step, *, retry_count: int | None, failed_queue: str
 ) -> dict[str, object]:
-    """The header table of a retry or DLQ copy (SPEC section 3).
+    """The header table of a retry or DLQ copy (docs/settlement.md section 7).
 
     The original headers that fit every bound (without the broker's delivery
     counters), the same event id, and the failure headers (bounded, sanitized).
@@ -261,7 +261,7 @@ class SettleEffects(Protocol):
         ...
 
     async def pause_before_requeue(self, budget: Budget, evidence: Evidence) -> None:
-        """The short backoff before a requeue (SPEC section 3: no hot redelivery loop)."""
+        """The short backoff before a requeue (docs/settlement.md section 4: no hot redelivery loop)."""
         ...
 
     async def write(self, kind: StepKind) -> bool:

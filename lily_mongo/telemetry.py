@@ -101,7 +101,7 @@ __all__ = [
 
 SCOPE = "lily_mongo"
 SYSTEM = "rabbitmq"
-# Terminal outcomes whose span ends with error status (SPEC section 3: the delivery
+# Terminal outcomes whose span ends with error status (docs/settlement.md section 10: the delivery
 # failed for good, or its fate is unknown).
 ERROR_OUTCOMES = frozenset({"dead_lettered", "broker_dead_lettered", "unresolved"})
 
@@ -585,7 +585,7 @@ _TRACESTATE_BYTES = BOUNDS.tracestate_bytes
 def _parent_context(headers: Mapping[str, Any]) -> Context:
     """The context a delivery's (or an outbox record's) trace headers continue; empty without a valid one.
 
-    The W3C format is the message contract (SPEC sections 2 and 4 bound exactly these two
+    The W3C format is the message contract (docs/contracts.md sections 3 and 6 bound exactly these two
     headers), so it is read whatever global propagator the application configured, with the
     envelope's validity rule: text only (a byte-array or numeric value is invalid), no ``ff``
     version, no all-zero id. A ``tracestate`` counts only with a valid ``traceparent`` and
@@ -622,7 +622,7 @@ def _with_trace_context(headers: Mapping[str, Any], span_context: SpanContext) -
 
     A ``traceparent`` already there is replaced (same size). One that was absent is
     added only while the table stays within the metadata bounds a consumer enforces
-    (SPEC section 4): a copy a consumer would reject is worse than a broken trace.
+    (docs/contracts.md section 6): a copy a consumer would reject is worse than a broken trace.
     """
     carrier = dict(headers)
     carrier.pop(TRACESTATE_HEADER, None)

@@ -1,4 +1,4 @@
-"""The ``lily-mongo`` command, run as a real subprocess (SPEC section 7, command line).
+"""The ``lily-mongo`` command, run as a real subprocess (docs/operations.md section 8).
 
 Every test starts the installed console script (or, without it, ``main()``
 through ``python -c``) with ``LILY_AMQP_URL`` / ``LILY_MONGO_URI`` pointing at

@@ -1,4 +1,4 @@
-"""The MongoDB lease inbox against the real broker and the MongoDB-wire server (SPEC section 5).
+"""The MongoDB lease inbox against the real broker and the MongoDB-wire server (docs/inbox.md).
 
 "Effect once" means: exactly one document per event in the handler's ``effects``
 collection and exactly one completion record in ``lily_inbox``. Failures are
@@ -186,7 +186,7 @@ async def test_same_event_twice_runs_the_handler_once(broker: Broker, mongodb: M
     assert calls == [event]
     await assert_effect_once(mongodb, event)
     assert await broker.depth(f"{q}.dlq") == 0
-    # Retention (SPEC 5.6): a TTL index on the record's purge time, set retention_seconds ahead.
+    # Retention (docs/inbox.md): a TTL index on the record's purge time, set retention_seconds ahead.
     records = mongodb.db[RECORDS]
     record = await records.find_one({"event_id": str(event)})
     assert record is not None
@@ -252,7 +252,7 @@ async def test_transient_error_on_an_operation_replays(
 async def test_commit_failure_without_unknown_result_replays(
     mongodb: MongoDB, broker: Broker, failing_commits: FailingCommits, labels: list[str]
 ) -> None:
-    # A commit failing without UnknownTransactionCommitResult did not commit (SPEC 5.5);
+    # A commit failing without UnknownTransactionCommitResult did not commit (docs/inbox.md, step 6);
     # the emulator reports its write conflicts as code 112 with no label at all.
     run = await failing_commits("commit", settled=one_settled, times=1, code=112, labels=labels)
     managed, calls, event = run.managed, run.calls, run.event
@@ -775,7 +775,7 @@ async def run_timing_out_handler(
 async def test_handler_timeout_is_not_counted_as_a_deferral(
     claim_in_transaction: bool, broker: Broker, mongodb: MongoDB
 ) -> None:
-    # A timeout is an application retry (SPEC section 6); the deferral bound counts deferred
+    # A timeout is an application retry (docs/lifecycle.md section 5); the deferral bound counts deferred
     # requeues only. A stale count makes a later LEASE_HELD copy hit max_deferrals early.
     _, lease = await run_timing_out_handler(broker, mongodb, broker.queue("tdefer"), claim_in_transaction)
     assert lease is None or lease.get("deferrals", 0) == 0, lease

@@ -1,7 +1,7 @@
-"""The inbox's command budget (SPEC section 5), counted on the consumer's own command stream.
+"""The inbox's command budget (docs/inbox.md), counted on the consumer's own command stream.
 
 A pymongo ``CommandListener`` on the consumer's client sees every command a
-delivery sends. SPEC budget: a first-time successful delivery whose handler makes
+delivery sends. The documented budget: a first-time successful delivery whose handler makes
 ``k`` writes sends at most ``3 + k`` (claim, completion, k writes, commit); a
 copy of a completed event sends 1 (the claim).
 

@@ -1,4 +1,4 @@
-"""Scale-out: several consumer replicas coordinating through inbox records (SPEC section 5).
+"""Scale-out: several consumer replicas coordinating through inbox records (docs/inbox.md, scale-out).
 
 The takeover test runs real OS processes (``workers/inbox_worker.py``) and kills
 one with SIGKILL while it holds a lease. The long-handler tests run consumers in

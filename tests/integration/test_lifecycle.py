@@ -1,4 +1,4 @@
-"""Lifecycle against the real broker: cancellation, shutdown, deadlines, reconnects, observation (SPEC section 6)."""
+"""Lifecycle against the real broker: cancellation, shutdown, deadlines, reconnects, observation (docs/lifecycle.md)."""
 
 from __future__ import annotations
 

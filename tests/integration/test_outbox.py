@@ -1,4 +1,4 @@
-"""The transactional outbox and its relay against the real broker and the MongoDB-wire server (SPEC section 5).
+"""The transactional outbox and its relay against the real broker and the MongoDB-wire server (docs/outbox.md).
 
 A handler stages messages with ``mongo.outbox.publish_*``: the record commits with
 the handler's writes or not at all, and the relay publishes committed records

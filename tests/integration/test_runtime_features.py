@@ -1,4 +1,4 @@
-"""Runtime features against the real broker (SPEC sections 2-4), at_least_once guarantee.
+"""Runtime features against the real broker (docs/contracts.md, docs/settlement.md), at_least_once guarantee.
 
 Middleware and guards around the handler, admission (permits, local buffer,
 per-queue prefetch), quorum and passive topology, topology mismatches, and the

@@ -1,4 +1,4 @@
-"""Settlement of the original delivery against the real broker (SPEC section 3), at_least_once guarantee.
+"""Settlement of the original delivery against the real broker (docs/settlement.md), at_least_once guarantee.
 
 One test (or a pair) per row of the decision table. Every test asserts what the
 broker holds afterwards: the depth of ``Q``, ``Q.retry.<n>`` and ``Q.dlq`` and

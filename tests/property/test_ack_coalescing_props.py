@@ -1,4 +1,4 @@
-"""Settlement through the ACK coalescer, over interleavings of many deliveries (SPEC section 3).
+"""Settlement through the ACK coalescer, over interleavings of many deliveries (docs/settlement.md section 2).
 
 Each example runs a batch of deliveries of one queue through the shipped
 :func:`lily_mongo.settlement.settle` loop, their writes going through the shipped

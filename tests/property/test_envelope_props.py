@@ -1,4 +1,4 @@
-"""Hypothesis properties of :func:`lily_mongo.envelope.validate_envelope` (SPEC sections 2 and 4).
+"""Hypothesis properties of :func:`lily_mongo.envelope.validate_envelope` (docs/contracts.md).
 
 1. Total: on any input it returns an ``Envelope`` or raises ``EnvelopeError`` with
    a stable code and a bounded, printable reason; nothing else escapes.

@@ -1,4 +1,4 @@
-"""A protocol model of the inbox lease (SPEC section 5) as a hypothesis state machine.
+"""A protocol model of the inbox lease (docs/inbox.md) as a hypothesis state machine.
 
 Several simulated consumers handle several copies of one or two events against a small
 in-memory MongoDB. Every decision a consumer takes is the one :mod:`lily_mongo.records`
@@ -10,7 +10,7 @@ first time claims inside its transaction when the run's ``claim_in_transaction``
 (``claims_in_transaction``, ``first_claim_transition``, ``read_first_claim``): half the
 random runs take that path, the other half (and the lease scenarios) the lease claim first.
 
-The simulated MongoDB keeps what the protocol relies on (SPEC section 5, and MongoDB's
+The simulated MongoDB keeps what the protocol relies on (docs/inbox.md, and MongoDB's
 documented transaction behaviour):
 
 * committed documents with a per-document commit version; a transaction reads the
@@ -47,10 +47,10 @@ Invariants (each failure names one, in brackets):
   bucket or the DLQ); none is dropped or settled twice;
 * ``bounded-requeue`` -- per record, deferred requeues stay within ``max_deferrals - 1`` plus the
   deferrals the record could not count (claim errors, releases that matched nothing);
-* ``replay`` -- a transaction error that did not commit replays the attempt (SPEC 5.4) for
+* ``replay`` -- a transaction error that did not commit replays the attempt (docs/inbox.md, step 5) for
   exactly the replay budget, then defers;
 * ``reconciliation`` -- an attempt whose commit applied is never replayed and settles as a
-  success; an unknown commit result is retried, then reconciled (SPEC 5.5);
+  success; an unknown commit result is retried, then reconciled (docs/inbox.md, step 6);
 * ``liveness`` -- a claim on an absent, released or expired lease takes it; and in the
   teardown, with no more faults: in-flight attempts finish, the server aborts orphaned
   transactions, and once the clock passes every lease's expiry each remaining copy completes
@@ -628,7 +628,7 @@ class InboxModel(RuleBasedStateMachine):
             self.renew(beating[move.pick % len(beating)], fails=move.fails)
 
     def renew(self, h: Handling, *, fails: bool) -> None:
-        """A heartbeat between two steps of an attempt (SPEC 5.2)."""
+        """A heartbeat between two steps of an attempt (docs/inbox.md, step 4)."""
         if not records.may_renew(holding=h.holding):
             self.log(f"{h.name} heartbeat skipped: its transaction holds the record")
             return
@@ -920,7 +920,7 @@ class InboxModel(RuleBasedStateMachine):
             h.phase = Phase.COMPLETION
 
     def check_claim(self, h: Handling, before: Doc | None, after: Doc) -> None:
-        """The claim as SPEC 5.1 states it: completed stays completed, a live lease stays its owner's,
+        """The claim as docs/inbox.md (step 1) states it: completed stays completed, a live lease stays its owner's,
         and anything else (absent, released, expired on the server clock) is leased to the claimant."""
         if before is not None and before.get("state") == COMPLETED:
             self.expect(
@@ -1104,7 +1104,7 @@ class InboxModel(RuleBasedStateMachine):
             h.txn.state is not TxnState.COMMITTED,
             "reconciliation",
             f"{h.name}: txn {h.txn.tid} committed (its reply was lost) but the attempt was {step.value}ed instead of "
-            "reconciled: the handler would run again to find out (SPEC 5.5)",
+            "reconciled: the handler would run again to find out (docs/inbox.md, step 6)",
         )
         self.expect(
             not unknown,
@@ -1476,7 +1476,7 @@ SCENARIOS = [
     ),
     pytest.param(
         one_event(1),
-        # A commit that fails without UnknownTransactionCommitResult did not apply: replay (SPEC 5.4).
+        # A commit that fails without UnknownTransactionCommitResult did not apply: replay (docs/inbox.md, step 5).
         [Deliver(0), Step(0, 2, CLEAN), Step(0, 1, Fault.TRANSIENT)],
         "c0/h1(e1#m1) replays (replay 1 of 1)",
         id="failed-commit-replays",

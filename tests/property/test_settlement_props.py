@@ -1,4 +1,4 @@
-"""Properties of settlement (SPEC section 3), through the loop the runtime ships.
+"""Properties of settlement (docs/settlement.md), through the loop the runtime ships.
 
 :func:`lily_mongo.settlement.settle` is the loop every delivery goes through. Here
 it runs against a simulated world (:class:`World`, its ``SettleEffects``): each
@@ -54,7 +54,7 @@ MACHINE = settings(
     max_examples=200, stateful_step_count=8, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
-# Stable codes of SPEC section 7, spelled out.
+# Stable codes (docs/settlement.md), spelled out.
 RETRIES_EXHAUSTED = "QUEUE_RETRIES_EXHAUSTED"
 DEFERRALS_EXHAUSTED = "QUEUE_DEFERRALS_EXHAUSTED"
 BODY_TOO_LARGE = "QUEUE_BODY_TOO_LARGE"
@@ -246,11 +246,11 @@ kind_effects = st.builds(
 )
 
 
-# -- the oracle: stated from SPEC section 3, not from the code ------------------------------
+# -- the oracle: stated from docs/settlement.md, not from the code ------------------------------
 
 
 def needs_handoff(result: PipelineResult, budget: Budget) -> bool:
-    """The SPEC rows whose path is publish → confirm → ACK."""
+    """The documented rows whose path is publish → confirm → ACK."""
     if result.outcome in (Outcome.RETRYABLE, Outcome.PERMANENT):
         return True
     return result.outcome is Outcome.DEFERRED and budget.deferrals >= budget.max_deferrals
@@ -560,7 +560,7 @@ SettlementMachine.TestCase.settings = MACHINE
 test_settlement_state_machine = SettlementMachine.TestCase
 
 
-# -- one literal example per row of the SPEC section 3 decision table ------------------------
+# -- one literal example per row of the decision table (docs/settlement.md section 1) ------------------------
 
 OK = Effect(Loss.NONE, publish_confirms=True, write_succeeds=True)
 PUBLISH_FAILS = Effect(Loss.NONE, publish_confirms=False, write_succeeds=True)

@@ -1,4 +1,4 @@
-"""The generated AsyncAPI 3.0 document (SPEC section 6), checked against the official JSON Schema.
+"""The generated AsyncAPI 3.0 document (docs/asyncapi.md), checked against the official JSON Schema.
 
 ``asyncapi_document(plan)`` is pure, so every test builds a plan from handlers
 defined here and inspects the document: it must validate against the vendored
@@ -6,7 +6,7 @@ AsyncAPI 3.0.0 schema, every ``$ref`` in it must resolve inside the document,
 and it must describe the plan (one channel per queue, retry bucket and DLQ,
 one receive operation per queue, one message per (version, content) with the
 payload schema of the handler's model and the envelope headers). Expected
-names, addresses and header rules are written out literally from the SPEC.
+names, addresses and header rules are written out literally from docs/asyncapi.md and docs/settlement.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""From a delivery to a handler verdict: :func:`prepare` and :func:`invoke` (SPEC sections 2 and 3).
+"""From a delivery to a handler verdict: :func:`prepare` and :func:`invoke` (docs/contracts.md, docs/settlement.md).
 
-``prepare`` runs the checks SPEC section 2 orders before any handler code or
+``prepare`` runs the checks docs/contracts.md section 5 orders before any handler code or
 scope opens: body size, metadata bounds and canonical envelope, handler
 selection by (queue, version, content), payload decode. ``invoke`` runs one
 attempt (middleware outermost first, then guards, then the handler) and turns
@@ -42,7 +42,7 @@ Handler = Callable[..., Awaitable[None]]
 QUEUE = "orders.created"
 EVENT_ID = "0f8fad5b-d9cb-469f-a165-70867728950e"
 
-# Stable codes of SPEC section 7 (and the framework's handler codes), spelled out.
+# Stable codes (docs/settlement.md, and the framework's handler codes), spelled out.
 ENVELOPE_INVALID = "QUEUE_ENVELOPE_INVALID"
 METADATA_BOUNDS_EXCEEDED = "QUEUE_METADATA_BOUNDS_EXCEEDED"
 BODY_TOO_LARGE = "QUEUE_BODY_TOO_LARGE"
@@ -52,7 +52,7 @@ PAYLOAD_DECODE_FAILED = "QUEUE_PAYLOAD_DECODE_FAILED"
 HANDLER_FAILED = "QUEUE_HANDLER_FAILED"
 GUARD_REJECTED = "QUEUE_GUARD_REJECTED"
 
-# SPEC section 4: an AMQP value is at most 8 KiB; a failure code travels in a 64-byte header.
+# docs/contracts.md section 6: an AMQP value is at most 8 KiB; a failure code travels in a 64-byte header.
 VALUE_BYTES = 8 * 1024
 FAILURE_CODE_BYTES = 64
 # Rejection reasons end up in x-lily-failure-reason: short, never an echo of the raw value.
@@ -204,7 +204,7 @@ async def run(handler: Handler, *, attempt: int = 1, **kwargs: Any) -> PipelineR
 def test_a_body_over_max_body_is_rejected_before_the_envelope_is_read() -> None:
     trace = Trace()
     plan = build(order_handler(trace))
-    # The headers are not even an envelope: the body size decides first (SPEC section 2, step 1).
+    # The headers are not even an envelope: the body size decides first (docs/contracts.md section 5, step 1).
     outcome = rejected(plan, Message({}, body=b"x" * 17), options(max_body=16))
     assert outcome.result.outcome is Outcome.BODY_TOO_LARGE
     assert outcome.result.code == BODY_TOO_LARGE
@@ -271,7 +271,7 @@ def test_metadata_over_a_bound_is_a_permanent_bounds_rejection(headers: dict[str
     assert outcome.result.outcome is Outcome.PERMANENT
     assert outcome.result.code == METADATA_BOUNDS_EXCEEDED
     assert outcome.envelope is None
-    # Built only from bounded, sanitized data (SPEC section 2, step 2).
+    # Built only from bounded, sanitized data (docs/contracts.md section 5, step 2).
     assert len(outcome.result.reason) < REASON_MAX_CHARS
     assert "a" * 100 not in outcome.result.reason
 
@@ -319,7 +319,7 @@ def test_several_versions_and_contents_on_one_queue_select_by_the_pair() -> None
     by_fn = {route.fn: route for route in plan.handlers}
     assert select_route(plan, QUEUE, 1, "json") is by_fn[v1_json]
     assert select_route(plan, QUEUE, 2, "text") is by_fn[v2_text]
-    # Never upcast or fall back between versions (SPEC section 2).
+    # Never upcast or fall back between versions (docs/contracts.md section 5).
     assert select_route(plan, QUEUE, 2, "json") == CONTENT_KIND_UNSUPPORTED
     assert select_route(plan, QUEUE, 1, "text") == CONTENT_KIND_UNSUPPORTED
     assert select_route(plan, QUEUE, 3, "json") == SCHEMA_VERSION_UNSUPPORTED

@@ -1,4 +1,4 @@
-"""Example tests for :func:`lily_mongo.envelope.validate_envelope` (SPEC sections 2, 4 and 7).
+"""Example tests for :func:`lily_mongo.envelope.validate_envelope` (docs/contracts.md).
 
 Limits come from the one bounds table (``BOUNDS``); the expected outcome of each
 case (accepted, or rejected with which stable code) is stated here on its own,
@@ -17,7 +17,7 @@ import pytest
 from lily_mongo.bounds import BOUNDS
 from lily_mongo.envelope import Envelope, EnvelopeError, validate_envelope
 
-# Stable codes from SPEC section 7, spelled out rather than imported.
+# Stable codes (docs/settlement.md), spelled out rather than imported.
 INVALID = "QUEUE_ENVELOPE_INVALID"
 BOUNDS_EXCEEDED = "QUEUE_METADATA_BOUNDS_EXCEEDED"
 BODY_TOO_LARGE = "QUEUE_BODY_TOO_LARGE"
@@ -25,7 +25,7 @@ BODY_TOO_LARGE = "QUEUE_BODY_TOO_LARGE"
 EVENT_ID = "0f8fad5b-d9cb-469f-a165-70867728950e"
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
-# The headers the framework adds on a retry/DLQ handoff (SPEC section 3); the
+# The headers the framework adds on a retry/DLQ handoff (docs/settlement.md section 7); the
 # module keeps room for them in every accepted delivery.
 HANDOFF_KEYS = (
     "x-retry-count",
@@ -90,7 +90,7 @@ def metadata_bytes(table: dict[str, object]) -> int:
 
 
 def test_bounds_table_holds_the_section_4_figures_this_module_checks() -> None:
-    # Every other test reads its limit from BOUNDS; this pins those limits to SPEC
+    # Every other test reads its limit from BOUNDS; this pins those limits to docs/contracts.md
     # section 4 once, so a drifted table cannot pass by moving both sides.
     assert BOUNDS.header_entries == 64
     assert BOUNDS.header_key_bytes == 128
@@ -158,7 +158,7 @@ def test_missing_required_header_is_invalid(missing: str) -> None:
 
 @pytest.mark.parametrize("table", [None, {}], ids=["none", "empty"])
 def test_no_envelope_headers_is_invalid(table: object) -> None:
-    # No "V1/JSON fallback" (SPEC section 2).
+    # No "V1/JSON fallback" (docs/contracts.md section 1).
     reject(table, INVALID)
 
 
@@ -224,7 +224,7 @@ def test_body_limit_follows_max_body() -> None:
     ids=["none", "empty", "bad-envelope", "bounds", "not-a-table"],
 )
 def test_body_size_is_checked_before_headers(table: object) -> None:
-    # SPEC section 2, order of checks: body size first.
+    # docs/contracts.md section 5, order of checks: body size first.
     reject(table, BODY_TOO_LARGE, body_size=BOUNDS.queue_body_default + 1)
 
 
@@ -626,7 +626,7 @@ def test_non_canonical_schema_versions_are_invalid(text: str) -> None:
     "value", [1, 1.0, True, b"1", decimal.Decimal(1)], ids=["int", "float", "bool", "bytes", "decimal"]
 )
 def test_schema_version_that_is_not_a_string_is_invalid(value: object) -> None:
-    # SPEC section 2: an integer-typed header is invalid.
+    # docs/contracts.md section 3: an integer-typed header is invalid.
     reject(headers(x_lily_schema_version=value), INVALID)
 
 

@@ -1,9 +1,9 @@
-"""Plan-time bounds and registration rules (SPEC sections 3, 4 and 7).
+"""Plan-time bounds and registration rules (docs/configuration.md, docs/settlement.md).
 
-Every bound of SPEC section 4 that is checked when the consumer plan is built
+Every bound (docs/configuration.md) that is checked when the consumer plan is built
 is probed at the limit (accepted) and one past it (rejected with a
 ``ConfigError``/``PlanError`` whose message names the field, the value and
-the limit). The limits are written out literally from the SPEC table, so a
+the limit). The limits are written out literally from the documented table, so a
 wrong bounds table fails here as well as a wrong check. Sizes are UTF-8 bytes.
 """
 
@@ -39,7 +39,7 @@ from lily_mongo.topology import topology_names
 AMQP_URL = "amqp://guest:guest@127.0.0.1/"
 Handler = Callable[..., Awaitable[None]]
 
-# SPEC section 4, spelled out.
+# The documented bounds (docs/configuration.md), spelled out.
 PHYSICAL_QUEUES = 256
 LINKED_HANDLERS = 512
 TRACE_CELLS = 256
@@ -58,7 +58,7 @@ BASE_NAME_MAX = NAME_MAX - len(".retry.31")
 CONTENT_KIND_MAX = 64
 VERSION_MAX = 65535
 
-# Stable codes of SPEC section 7.
+# Stable codes (docs/settlement.md).
 SCHEMA_VERSION_UNSUPPORTED = "QUEUE_SCHEMA_VERSION_UNSUPPORTED"
 CONTENT_KIND_UNSUPPORTED = "QUEUE_CONTENT_KIND_UNSUPPORTED"
 
@@ -650,7 +650,7 @@ def test_default_retry_policy_counts_towards_the_topology_bound() -> None:
     assert plan.queues["a"].retry.bucket_delays_ms == (1000, 5000, 30000, 120000, 600000)
 
 
-# -- retry policy semantics (SPEC section 7) -------------------------------------------------
+# -- retry policy semantics (docs/settlement.md section 9) -------------------------------------------------
 
 
 def test_retry_n_waits_the_delay_at_min_n_len_minus_one() -> None:

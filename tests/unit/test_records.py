@@ -1,11 +1,11 @@
-"""The inbox record protocol of SPEC section 5, as pure decisions and transitions.
+"""The inbox record protocol (docs/inbox.md), as pure decisions and transitions.
 
 One record per (handler identity, event id) carries the lease and the
 completion. The server side of each step (claim, completion, renewal, release)
 is exercised through its Python transition; the consumer side (what a claim,
 an error, a reconciliation read or a renewal answer means) through its
 decision function. Times are server-clock values chosen by the test. The
-expected records and verdicts are written out here from the SPEC, and a
+expected records and verdicts are written out here from docs/inbox.md, and a
 hypothesis property checks the lease's safety over arbitrary interleavings.
 """
 
@@ -59,7 +59,7 @@ A = "replica-a:1"
 B = "replica-b:1"
 C = "replica-c:1"
 
-# The labels MongoDB attaches to transaction errors (by label, never by code: SPEC 5.4, 5.5).
+# The labels MongoDB attaches to transaction errors (by label, never by code: docs/inbox.md, steps 5 and 6).
 TRANSIENT = "TransientTransactionError"
 UNKNOWN_COMMIT = "UnknownTransactionCommitResult"
 
@@ -324,7 +324,7 @@ def test_the_completion_turns_our_lease_into_a_completed_record() -> None:
 
 
 def test_the_completion_matches_an_expired_lease_nobody_took_over() -> None:
-    # The fence is owner and token (SPEC 5.3); expiry only lets *another* claim take over.
+    # The fence is owner and token (docs/inbox.md, step 2); expiry only lets *another* claim take over.
     done = complete(leased(A, 1, expires=10), A, 1, at(50))
     assert done is not None
     assert done["state"] == "completed"
@@ -384,14 +384,14 @@ def test_the_fence_filter_matches_exactly_what_the_transitions_accept(record: di
 @pytest.mark.parametrize(
     ("labels", "in_commit", "step"),
     [
-        # Outside the commit: only a transient transaction error replays (SPEC 5.4).
+        # Outside the commit: only a transient transaction error replays (docs/inbox.md, step 5).
         ((), False, ErrorStep.DEFER),
         ((TRANSIENT,), False, ErrorStep.REPLAY),
         ((UNKNOWN_COMMIT,), False, ErrorStep.DEFER),
         ((TRANSIENT, UNKNOWN_COMMIT), False, ErrorStep.REPLAY),
         (("RetryableWriteError",), False, ErrorStep.DEFER),
-        # In the commit: an unknown result retries the same commit (SPEC 5.5); any other
-        # failure did not commit and replays (SPEC 5.4).
+        # In the commit: an unknown result retries the same commit (docs/inbox.md, step 6); any other
+        # failure did not commit and replays (docs/inbox.md, step 5).
         ((), True, ErrorStep.REPLAY),
         ((TRANSIENT,), True, ErrorStep.REPLAY),
         ((UNKNOWN_COMMIT,), True, ErrorStep.RETRY_COMMIT),
@@ -462,7 +462,7 @@ def test_heartbeat_verdicts(matched: bool | None, unrenewed_for: float, verdict:
 
 
 def test_no_renewal_while_the_transaction_holds_the_record() -> None:
-    # SPEC 5.2: a renewal committed after the transaction's snapshot would fail it with a WriteConflict.
+    # docs/inbox.md, step 3: a renewal committed after the transaction's snapshot would fail it with a WriteConflict.
     assert may_renew(holding=True) is False
     assert may_renew(holding=False) is True
 
