@@ -37,7 +37,6 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
     raise SystemExit(2) from exc
 
 from . import inbox as inbox_records
-from ._amqp import channel_errors
 from ._logs import configure_logging
 from ._mongo import mongo_errors, open_mongo
 from ._redact import redact_url, scrub
@@ -265,9 +264,7 @@ def run(
         assert consumer is not None
         probes = await _start_probes(http_host, http_port) if http_port is not None else None
         try:
-            # What the engine's start lets through from the AMQP client, mapped like the rest.
-            with channel_errors("starting the consumer"):
-                managed = await consumer.start()
+            managed = await consumer.start()
             if probes is not None:
                 probes.attach(managed)
             uninstall = managed.install_signal_handlers()

@@ -1,4 +1,4 @@
-"""The consumer, its supervisor, and shutdown (SPEC section 6).
+"""The consumer, its supervisor, and shutdown (docs/lifecycle.md).
 
 :class:`Consumer` collects the plan; :meth:`Consumer.start` declares the
 topology, attaches consumers and returns a :class:`ManagedConsumer` whose
@@ -31,7 +31,7 @@ from typing import Any, Literal, TypedDict, TypeVar, Unpack
 import aio_pika.abc
 from pymongo import AsyncMongoClient
 
-from ._amqp import connect_amqp
+from ._amqp import channel_errors, connect_amqp
 from ._checks import check_amqp_url, check_bool, check_seconds
 from ._redact import redact_url
 from ._tasks import TaskSet, raise_if_cancel_requested
@@ -191,7 +191,7 @@ def _check_database_name(database: object) -> None:
 
 
 class Consumer:
-    """A RabbitMQ consumer whose handlers may run in MongoDB transactions (SPEC section 7).
+    """A RabbitMQ consumer whose handlers may run in MongoDB transactions (docs/design.md, section 2).
 
     ``mongo_client`` is caller-owned unless ``owns_mongo_client=True``; it is
     never closed otherwise. ``database`` holds the inbox, lease and outbox
@@ -424,7 +424,9 @@ class ManagedConsumer:
         self._engine = await build_engine(
             self._settings, self.plan, self._tasks, state=lambda: self.state, connection=self._connection
         )
-        await self._engine.start(self._connection, self._tasks)
+        # What the AMQP client raises while channels open and consumers attach, mapped at the boundary.
+        with channel_errors("starting the consumer"):
+            await self._engine.start(self._connection, self._tasks)
         raise_if_cancel_requested()  # a cancel the AMQP library absorbed on the way still stops the start
         self._lifecycle.enter(State.RUNNING)
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="lily-supervisor")
