@@ -40,6 +40,10 @@ class Lru[K: Hashable, V]:
         """Remove ``key``'s entry, if there is one."""
         self._entries.pop(key, None)
 
+    def items(self) -> list[tuple[K, V]]:
+        """Every entry, the least recently written first (a copy: safe to write while iterating)."""
+        return list(self._entries.items())
+
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 

@@ -11,9 +11,11 @@ lets an in-process transport feed the runtime (:class:`~lily_mongo.testing.TestC
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import aio_pika.abc
@@ -23,6 +25,9 @@ from pymongo.errors import PyMongoError
 from ._mongo import mongo_error
 from ._observer import NO_OBSERVER, Observer
 from ._tasks import TaskSet
+from ._text import describe_value
+from .dispatch import Services
+from .errors import ConfigError
 from .inbox import Inbox, InboxOptions
 from .observe import Snapshot
 from .outbox import OutboxRelay
@@ -32,7 +37,11 @@ if TYPE_CHECKING:
     from .plan import Plan
     from .telemetry import Telemetry
 
-__all__ = ["ConsumerSettings", "Engine", "build_engine"]
+__all__ = ["ConsumerSettings", "Engine", "Lifespan", "build_engine", "enter_lifespan"]
+
+Lifespan = Callable[[Any], contextlib.AbstractAsyncContextManager[Mapping[str, Any] | None]]
+"""``lifespan(consumer)``: an async context manager (an ``@asynccontextmanager`` function) whose
+value is the mapping of resources handlers ask for with ``Resource(name)`` (docs/handlers.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +58,7 @@ class ConsumerSettings:
     inbox: InboxOptions
     owns_mongo_client: bool
     telemetry: Telemetry | None = None
+    lifespan: Lifespan | None = None
 
 
 def _nothing() -> None:
@@ -100,12 +110,14 @@ async def build_engine(
     state: Callable[[], str],
     connection: aio_pika.abc.AbstractConnection | None = None,
     handoff: Handoff | None = None,
+    resources: Mapping[str, Any] | None = None,
 ) -> Engine:
     """The parts of the consumer ``settings`` describes, running ``plan`` with ``tasks`` as their tasks.
 
     ``state`` returns the lifecycle state the snapshot reports. ``connection`` is the AMQP
     connection to consume from; None for an in-process transport, which publishes the
-    retry and DLQ copies through ``handoff``.
+    retry and DLQ copies through ``handoff``. ``resources``: what the lifespan yielded
+    (:func:`enter_lifespan`), for the handlers' ``Resource`` parameters.
     """
     observer: Observer = settings.telemetry or NO_OBSERVER
     inbox: Inbox | None = None
@@ -134,6 +146,10 @@ async def build_engine(
         except PyMongoError as exc:
             raise mongo_error(exc, "the inbox set-up") from exc
         inbox.start(tasks)
+    services = Services(
+        database=client[settings.database] if client is not None and settings.database is not None else None,
+        resources=MappingProxyType(dict(resources or {})),
+    )
     runtime = Runtime(
         plan,
         connection,
@@ -142,9 +158,51 @@ async def build_engine(
         confirm_timeout=settings.confirm_timeout,
         handoff=handoff,
         observer=observer,
+        services=services,
     )
     engine = Engine(settings, runtime, inbox, relay)
     names = tuple(plan.queues)
     # Observable instruments read the snapshot when collected.
     engine.unwatch = observer.watch(lambda: (engine.snapshot(state()), names))
     return engine
+
+
+async def enter_lifespan(
+    lifespan: Lifespan | None, consumer: object, plan: Plan, stack: contextlib.AsyncExitStack
+) -> Mapping[str, Any]:
+    """Enter ``lifespan(consumer)`` on ``stack`` (its exit is the stack's) and return its resources.
+
+    Every ``Resource`` name the plan's handlers and factories ask for must be among them:
+    a missing one is a :class:`ConfigError` now, naming it and who asks for it, not a
+    failure at the first delivery.
+    """
+    if lifespan is None:
+        resources: Mapping[str, Any] = {}
+    else:
+        manager = lifespan(consumer)
+        if not isinstance(manager, contextlib.AbstractAsyncContextManager):
+            raise ConfigError(
+                "lifespan(consumer) must return an async context manager (write it as an "
+                f"@asynccontextmanager function), got {describe_value(manager)}"
+            )
+        value = await stack.enter_async_context(manager)
+        if value is None:
+            resources = {}
+        elif isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+            resources = value
+        else:
+            raise ConfigError(
+                "the lifespan must yield a mapping of resource names to values (or nothing), "
+                f"got {describe_value(value)}"
+            )
+    for handler in plan.handlers:
+        for name, where in handler.resources:
+            if name not in resources:
+                if lifespan is None:
+                    provided = "the consumer has no lifespan: Consumer(..., lifespan=...)"
+                else:
+                    provided = "it yielded " + (", ".join(repr(k) for k in sorted(resources)[:20]) or "nothing")
+                raise ConfigError(
+                    f"{where} asks for Resource({name!r}), which the consumer's lifespan does not provide ({provided})"
+                )
+    return resources

@@ -48,6 +48,7 @@ __all__ = [
     "Envelope",
     "EnvelopeError",
     "check_content_kind",
+    "event_id_of",
     "is_canonical_uuid",
     "sanitize_headers",
     "valid_traceparent",
@@ -107,6 +108,16 @@ _new_envelope = slot_constructor(Envelope)
 def is_canonical_uuid(text: object) -> bool:
     """True for lowercase, hyphenated 8-4-4-4-12 UUID text that is not the nil UUID."""
     return isinstance(text, str) and _UUID_RE.fullmatch(text) is not None and text != _NIL_UUID
+
+
+def event_id_of(headers: Mapping[str, object] | None) -> uuid.UUID | None:
+    """The event id of a delivery whose envelope may be invalid: None unless its header is canonical.
+
+    For what a refused delivery is reported with (observations, log lines): the id is
+    named whenever its own header was valid, whatever else was wrong.
+    """
+    text = headers.get(EVENT_ID_HEADER) if isinstance(headers, Mapping) else None
+    return canonical_uuid(text) if isinstance(text, str) and is_canonical_uuid(text) else None
 
 
 def check_content_kind(kind: object) -> str | None:

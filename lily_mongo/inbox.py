@@ -196,6 +196,7 @@ class _Replay(Exception):
     """The attempt must be replayed in a fresh scope (transient error, or a commit not applied)."""
 
     error_type = "transient_replay"  # what an attempt's span reports
+    handler_error: BaseException | None = None  # what the handler raised, when the replay came from it
 
 
 class _Contended(Exception):
@@ -446,6 +447,7 @@ class Inbox:
                         ErrorCode.REPLAY_BUDGET_SPENT,
                         f"{execution.transient_replays - 1} transient replays (budget "
                         f"{options.replay_budget}); last: {replay}",
+                        replay.handler_error,
                     )
                     return True
                 await asyncio.sleep(
@@ -510,7 +512,10 @@ class Inbox:
                 result = await invoke(execution.attempts, scope, payload)
             except PyMongoError as exc:  # only what passthrough() let through: labelled transient
                 await self._abort(session)
-                raise self._failed(exc, "the handler") from exc
+                failure = self._failed(exc, "the handler")
+                if isinstance(failure, _Replay):
+                    failure.handler_error = exc  # shown by the failure log if the budget runs out
+                raise failure from exc
             finally:
                 scope.close()
             if result.outcome is not Outcome.SUCCESS:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import enum
 import logging
 import signal
@@ -37,7 +38,7 @@ from ._redact import redact_url
 from ._tasks import TaskSet, raise_if_cancel_requested
 from ._tasks import uncancellable as _uncancellable
 from ._text import describe_value
-from ._wiring import ConsumerSettings, Engine, build_engine
+from ._wiring import ConsumerSettings, Engine, Lifespan, build_engine, enter_lifespan
 from .bounds import utf8_len
 from .errors import ConfigError, LilyError
 from .inbox import InboxOptions, MongoScope
@@ -198,7 +199,11 @@ class Consumer:
     collections and is what ``MongoScope.database`` returns. ``telemetry``:
     traces and metrics through the OpenTelemetry API, on by default when it is
     installed (``False`` turns them off; a :class:`~lily_mongo.telemetry.Telemetry`
-    chooses providers), see ``docs/observability.md``.
+    chooses providers), see ``docs/observability.md``. ``lifespan``: a function of the
+    consumer returning an async context manager (an ``@asynccontextmanager`` function),
+    entered before ``start()`` connects and exited after the shutdown drained and the
+    relay stopped; the mapping it yields is what handlers and factories ask for with
+    ``Resource(name)`` (docs/handlers.md).
     """
 
     def __init__(
@@ -214,8 +219,14 @@ class Consumer:
         inbox: InboxOptions | None = None,
         owns_mongo_client: bool = False,
         telemetry: bool | Telemetry = True,
+        lifespan: Lifespan | None = None,
     ) -> None:
         check_amqp_url("amqp_url", amqp_url)
+        if lifespan is not None and not callable(lifespan):
+            raise ConfigError(
+                "lifespan must be a function of the consumer returning an async context manager "
+                f"(an @asynccontextmanager function), got {describe_value(lifespan)}"
+            )
         if mongo_client is not None and not isinstance(mongo_client, AsyncMongoClient):
             raise ConfigError(f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}")
         if mongo_client is None:
@@ -239,6 +250,7 @@ class Consumer:
             inbox=inbox or InboxOptions(),
             owns_mongo_client=owns_mongo_client,
             telemetry=resolve_telemetry(telemetry),
+            lifespan=lifespan,
         )
         self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
         self._outgoing: list[OutgoingMessage] = []
@@ -331,7 +343,9 @@ class Consumer:
         self._require_new()
         plan = self.plan()
         self._lifecycle.enter(State.STARTING)
-        managed = ManagedConsumer(self._settings, plan, outgoing=self.outgoing, lifecycle=self._lifecycle)
+        managed = ManagedConsumer(
+            self._settings, plan, outgoing=self.outgoing, lifecycle=self._lifecycle, consumer=self
+        )
         try:
             await managed._start()
         except BaseException:
@@ -369,9 +383,13 @@ class ManagedConsumer:
         *,
         outgoing: tuple[OutgoingMessage, ...] = (),
         lifecycle: _Lifecycle | None = None,
+        consumer: Consumer | None = None,
     ) -> None:
-        """``lifecycle``: the state holder of the :class:`Consumer` starting it (a fresh one, starting, if None)."""
+        """``lifecycle``: the state holder of the :class:`Consumer` starting it (a fresh one, starting, if None);
+        ``consumer``: that consumer, what its lifespan is called with."""
         self._settings = settings
+        self._consumer = consumer
+        self._lifespan = contextlib.AsyncExitStack()  # the lifespan's exit, once entered
         self._outgoing = outgoing
         self._lifecycle = lifecycle if lifecycle is not None else _Lifecycle(State.STARTING)
         self.plan = plan
@@ -417,12 +435,20 @@ class ManagedConsumer:
         return self._settings.telemetry
 
     async def _start(self) -> None:
+        # The lifespan first: its resources exist before anything connects, and a Resource
+        # name it does not provide fails the start here (docs/handlers.md, resources).
+        resources = await enter_lifespan(self._settings.lifespan, self._consumer, self.plan, self._lifespan)
         self._connection = await connect_amqp(self._settings.amqp_url)
         for options in self.plan.queues.values():
             await declare_topology(self._connection, options)  # checks for a cancel between declarations
         await prepare_destinations(self._connection, self._outgoing)
         self._engine = await build_engine(
-            self._settings, self.plan, self._tasks, state=lambda: self.state, connection=self._connection
+            self._settings,
+            self.plan,
+            self._tasks,
+            state=lambda: self.state,
+            connection=self._connection,
+            resources=resources,
         )
         # What the AMQP client raises while channels open and consumers attach, mapped at the boundary.
         with channel_errors("starting the consumer"):
@@ -448,6 +474,10 @@ class ManagedConsumer:
             if engine is not None:
                 engine.unwatch()
         finally:
+            try:
+                await self._lifespan.aclose()  # after a failed start too: it was entered first
+            except Exception:
+                log.warning("the lifespan's exit failed after a failed start", exc_info=True)
             self._lifecycle.enter(State.STOPPED)
 
     # -- observers ----------------------------------------------------------------------
@@ -586,6 +616,15 @@ class ManagedConsumer:
             return not await self._tasks.join(leftovers, self._force_timeout)
 
         await steps.run("tasks_join", tasks_join)
+        runtime.failures.flush()  # the handler failures whose tracebacks were not shown, counted
+        if self._settings.lifespan is not None:
+
+            async def lifespan_exit() -> bool:
+                # After the drain, the relay and every task: no handler can use a resource any more.
+                await self._lifespan.aclose()
+                return True
+
+            await steps.run("lifespan_exit", lifespan_exit)
         settings = self._settings
         if settings.owns_mongo_client and settings.mongo_client is not None:
             client = settings.mongo_client

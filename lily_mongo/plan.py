@@ -18,7 +18,7 @@ from ._text import describe_value
 from .bounds import BOUNDS, utf8_len
 from .envelope import Envelope, check_content_kind
 from .errors import ConfigError, PlanError
-from .extractors import Parameter, RawDelivery, is_coroutine_function, resolve_parameters
+from .extractors import Dependency, Parameter, RawDelivery, is_coroutine_function, resolve_handler
 
 __all__ = [
     "DeliveryContext",
@@ -231,7 +231,7 @@ def routes_of(fn: object) -> tuple[RouteSpec, ...]:
 
 @dataclass(frozen=True, slots=True)
 class HandlerRoute:
-    """One linked handler: a route, its function and its resolved parameters."""
+    """One linked handler: a route, its function, its resolved parameters and the factories they need."""
 
     queue: str
     version: int
@@ -243,12 +243,24 @@ class HandlerRoute:
     middleware: tuple[Middleware, ...]
     guards: tuple[Guard, ...]
     trace: str
-    # The body-decoding parameter, found once at plan time, not per delivery.
+    # Depends factories, each once, in the order an attempt calls them (docs/handlers.md).
+    dependencies: tuple[Dependency, ...] = ()
+    # (name, where) of every Resource the handler or its factories ask for: checked at start.
+    resources: tuple[tuple[str, str], ...] = ()
+    # The body-decoding parameter (the handler's or a factory's), found once at plan time, not per delivery.
     terminal: Parameter | None = dataclasses.field(init=False, repr=False, compare=False)
+    # True when an attempt needs more than the delivery and the scope: factories, resources, the database.
+    injects: bool = dataclasses.field(init=False, repr=False, compare=False)
+    # True for the plain path: no middleware, no guards, nothing injected (dispatch.invoke's first branch).
+    direct: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        terminal = next((p for p in self.parameters if p.extractor is not None and p.extractor.terminal), None)
+        every = [*self.parameters, *(p for d in self.dependencies for p in d.parameters)]
+        terminal = next((p for p in every if p.extractor is not None and p.extractor.terminal), None)
+        injects = bool(self.dependencies) or any(p.source in ("database", "resource") for p in self.parameters)
         object.__setattr__(self, "terminal", terminal)
+        object.__setattr__(self, "injects", injects)
+        object.__setattr__(self, "direct", not (injects or self.middleware or self.guards))
 
 
 @dataclass(slots=True)
@@ -379,14 +391,17 @@ class PlanBuilder:
             raise PlanError(f"{where}: {len(middleware)} middleware, over the bound of {BOUNDS.middleware}")
         if len(guards) > BOUNDS.guards:
             raise PlanError(f"{where}: {len(guards)} guards, over the bound of {BOUNDS.guards}")
-        parameters = resolve_parameters(
-            fn, where=where, scope_type=scope_type, max_parameters=BOUNDS.handler_parameters
-        )
+        resolved = resolve_handler(fn, where=where, scope_type=scope_type, max_parameters=BOUNDS.handler_parameters)
         guarantee: Guarantee = spec.guarantee or ("inbox" if self.has_mongo else "at_least_once")
         if guarantee == "inbox" and not self.has_mongo:
             raise PlanError(f"{where}: guarantee 'inbox' needs a Consumer with a mongo_client")
-        if any(p.extractor is None for p in parameters) and guarantee != "inbox":
-            raise PlanError(f"{where}: a MongoScope parameter needs guarantee 'inbox'")
+        if resolved.scope and guarantee != "inbox":
+            raise PlanError(
+                f"{resolved.scope[0]}: a MongoScope parameter needs guarantee 'inbox' "
+                "(an at-least-once handler reaches the database through MongoDatabase)"
+            )
+        if resolved.database and not self.has_mongo:
+            raise PlanError(f"{resolved.database[0]}: a MongoDatabase parameter needs a Consumer with a mongo_client")
         return HandlerRoute(
             queue=spec.queue,
             version=spec.version,
@@ -394,8 +409,10 @@ class PlanBuilder:
             handler_id=handler_id,
             guarantee=guarantee,
             fn=fn,
-            parameters=parameters,
+            parameters=resolved.parameters,
             middleware=middleware,
             guards=guards,
             trace=spec.trace or spec.queue,
+            dependencies=resolved.dependencies,
+            resources=resolved.resources,
         )

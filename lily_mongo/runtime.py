@@ -34,6 +34,7 @@ import hashlib
 import logging
 import random
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -44,12 +45,13 @@ import aiormq.abc
 
 from ._amqp import AckCoalescer, InboundMessage, republish, unbounded_frame_queue
 from ._backoff import backoff
+from ._failures import FailureLog
 from ._lru import LruCounter
 from ._observer import NO_DELIVERY, NO_OBSERVER, DeliveryObserver, Observer
 from ._tasks import TaskSet
 from ._text import truncate_utf8
 from .bounds import BOUNDS
-from .dispatch import Inbound, Prepared, invoke, prepare
+from .dispatch import NO_SERVICES, Inbound, Prepared, Services, invoke, prepare
 from .envelope import DELIVERY_COUNT_HEADER, Envelope
 from .errors import ErrorCode, PublishError
 from .observe import ObservationLog, QueueCounters, QueueSnapshot
@@ -199,6 +201,7 @@ class _Delivery:
     settle_task: asyncio.Task[Any] | None = None  # set once dropped: the task settling it instead of its own
     failure_key: bytes = b""
     trace: DeliveryObserver = NO_DELIVERY
+    event_id: uuid.UUID | None = None  # a refused delivery's event id (its header was valid); else the envelope's
 
 
 class _Effects:
@@ -222,7 +225,7 @@ class _Effects:
         except PublishError as exc:
             to_dlq = step.kind is StepKind.PUBLISH_DLQ
             qr.counters.handoff_failures += 1
-            event_id = delivery.envelope.event_id if delivery.envelope else None
+            event_id = delivery.envelope.event_id if delivery.envelope else delivery.event_id
             log.warning(
                 "handoff to %s failed: %s (queue=%s handler=%s event_id=%s outcome=%s code=%s)",
                 "the DLQ" if to_dlq else "a retry bucket",
@@ -284,11 +287,14 @@ class Runtime:
         confirm_timeout: float,
         handoff: Handoff | None = None,
         observer: Observer = NO_OBSERVER,
+        services: Services = NO_SERVICES,
     ) -> None:
         """``connection`` is the AMQP connection to consume from; None for an in-process
         transport, which feeds :meth:`deliver` and passes its own ``handoff``. ``observer``
-        is what the engine reports to (a :class:`~lily_mongo.telemetry.Telemetry`, or nothing)."""
+        is what the engine reports to (a :class:`~lily_mongo.telemetry.Telemetry`, or nothing).
+        ``services``: the database and lifespan resources handlers may ask for (docs/handlers.md)."""
         self.plan = plan
+        self.services = services
         self.connection = connection
         self._handoff: Handoff = handoff or self._handoff_on_channel
         self.tasks = tasks
@@ -303,6 +309,7 @@ class Runtime:
         self.phase = Phase.NEW
         self.deliveries: dict[asyncio.Task[Any], _Delivery] = {}
         self.settled_during_shutdown: collections.Counter[str] = collections.Counter()
+        self.failures = FailureLog()  # handler failures with their tracebacks, rate-limited per handler
 
     @property
     def accepting(self) -> bool:
@@ -319,11 +326,12 @@ class Runtime:
         self._enter(Phase.RUNNING)
         self.tasks.spawn(self._sweep_deadlines(), name="lily-deadlines")
 
-    async def deliver(self, queue: str, message: Received) -> None:
+    async def deliver(self, queue: str, message: Received) -> BaseException | None:
         """Run one delivery of ``queue`` to its end in this task, like a consumed one.
 
         For in-process transports: it takes one of the queue's permits (the caller keeps
         within the queue's concurrency) and records the outcome in the observations.
+        Returns what its handler raised on the last attempt (None when nothing did).
         """
         qr = self.queues[queue]
         qr.counters.received += 1
@@ -337,6 +345,7 @@ class Runtime:
             await self._deliver(delivery)
         finally:
             self.deliveries.pop(task, None)
+        return delivery.execution.result.exception if delivery.execution is not None else None
 
     async def start(self) -> None:
         """Open the handoff channel and one consuming channel per queue; start intake."""
@@ -572,7 +581,7 @@ class Runtime:
             else:
                 delivery.stage = _SETTLING
                 delivery.execution = Execution(prepared.result)
-                delivery.envelope = prepared.envelope
+                delivery.envelope, delivery.event_id = prepared.envelope, prepared.event_id
             step, evidence = await self._settle(delivery)
         finally:
             if delivery.settle_task is None:  # not dropped: this task finishes it
@@ -595,7 +604,9 @@ class Runtime:
                 return await self.inbox.execute(
                     route, raw, payload, functools.partial(self._inbox_attempt, route, raw, options)
                 )
-            result = await invoke(route, raw, attempt=1, payload=payload, unknown_errors=options.unknown_errors)
+            result = await invoke(
+                route, raw, attempt=1, payload=payload, unknown_errors=options.unknown_errors, services=self.services
+            )
             return Execution(result, attempts=1)
         except asyncio.CancelledError:
             cut_off = delivery.stage is _CUT_OFF
@@ -628,6 +639,7 @@ class Runtime:
             payload=payload,
             unknown_errors=options.unknown_errors,
             passthrough=self.inbox.passthrough,
+            services=self.services,
         )
 
     async def _settle(self, delivery: _Delivery) -> tuple[Step, Evidence]:
@@ -718,7 +730,7 @@ class Runtime:
             reason = "not settled: settlement authority was lost or revoked"
         else:
             reason = execution.result.reason
-        event_id = delivery.envelope.event_id if delivery.envelope else None
+        event_id = delivery.envelope.event_id if delivery.envelope else delivery.event_id
         code = (step.code if step is not None else None) or execution.result.code
         self.observations.record(
             queue=qr.options.name,
@@ -737,8 +749,26 @@ class Runtime:
             duration=time.monotonic() - delivery.started,
         )
         delivery.trace.finish(delivery.handler_id, event_id, terminal, code, execution)
+        if execution.result.exception is not None:  # before the delivery's own line: the cause, then the outcome
+            self._report_failure(delivery, execution, terminal, event_id)
         if terminal != _ACKED or log.isEnabledFor(logging.DEBUG):
             _log_terminal(qr.options.name, delivery.handler_id, event_id, terminal, code)
+
+    def _report_failure(self, delivery: _Delivery, execution: Execution, terminal: str, event_id: Any) -> None:
+        """What the handler raised, to the failure log (docs/handlers.md, section 4)."""
+        result = execution.result
+        assert result.exception is not None
+        envelope = delivery.envelope
+        self.failures.report(
+            result.exception,
+            queue=delivery.qr.options.name,
+            handler_id=delivery.handler_id,
+            event_id=event_id,
+            attempt=execution.attempts,
+            retry_count=envelope.retry_count if envelope is not None else None,
+            outcome=terminal,
+            code=result.code,
+        )
 
     # -- the deadline path ----------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import datetime
 import enum
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from ._text import sanitize, truncate_utf8
@@ -65,11 +65,17 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class PipelineResult:
-    """The pipeline's verdict, with a stable code and a bounded reason for failures."""
+    """The pipeline's verdict, with a stable code and a bounded reason for failures.
+
+    ``exception`` is what the handler (or its middleware, guards or dependencies) raised,
+    kept for the failure log and for tests (docs/handlers.md, section 4); no settlement
+    decision reads it, and it takes no part in comparisons.
+    """
 
     outcome: Outcome
     code: str | None = None
     reason: str = ""
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)

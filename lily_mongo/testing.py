@@ -20,6 +20,7 @@ delivery per event would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import uuid
@@ -32,10 +33,10 @@ from pymongo.errors import OperationFailure
 from . import records
 from ._checks import check_bool, check_int
 from ._tasks import TaskSet
-from ._text import describe_value
-from ._wiring import Engine, build_engine
+from ._text import describe_value, truncate_utf8
+from ._wiring import Engine, build_engine, enter_lifespan
 from .envelope import EVENT_ID_HEADER, FAILED_QUEUE_HEADER
-from .errors import ConfigError, LilyError
+from .errors import ConfigError, LilyError, QueueHandlerError
 from .lifecycle import Consumer
 from .observe import TerminalObservation
 from .publisher import BINARY, JSON, TEXT, CustomPublishContent, prepare_publication
@@ -55,6 +56,7 @@ __all__ = [
 ]
 
 _MAX_REDELIVERIES = 50
+_EXCEPTION_REPR_BYTES = 160  # the exception in a DeliveryResult's repr
 _INT32_MAX = 2**31 - 1  # failCommand's counts, codes and milliseconds are 32-bit integers
 # Outcomes after which the broker would not deliver that copy again.
 _SETTLED = frozenset({"acked", "duplicate", "retried", "dead_lettered", "broker_dead_lettered"})
@@ -83,10 +85,17 @@ class PublishedMessage:
 
 @dataclass(frozen=True, slots=True)
 class DeliveryResult:
-    """How one in-process delivery ended: its terminal ``outcome`` and failure ``code``."""
+    """How one in-process delivery ended: its terminal ``outcome``, failure ``code`` and ``exception``."""
 
     observation: TerminalObservation
     settlement: str | None  # the settlement written: "ack", "nack_requeue", "reject" or None
+    exception: BaseException | None = None
+    """What the handler (or its middleware, guards or factories) raised on the last attempt, or None."""
+
+    def __repr__(self) -> str:
+        # One short line, so that a failed ``assert result.outcome == "acked"`` shows the cause.
+        shown = "None" if self.exception is None else truncate_utf8(repr(self.exception), _EXCEPTION_REPR_BYTES)
+        return f"DeliveryResult(outcome={self.outcome!r}, code={self.code!r}, exception={shown})"
 
     @property
     def outcome(self) -> str:
@@ -147,18 +156,31 @@ class _Message:
 class TestConsumer:
     """A consumer's plan running in-process against its MongoDB, with the AMQP transport recorded.
 
-    ``database`` overrides the consumer's database (the inbox records, the outbox and
-    ``MongoScope.database`` all live there). Deliveries run one at a time unless the
-    test runs several ``publish_*`` calls concurrently (``asyncio.gather``).
+    ``database`` overrides the consumer's database (the inbox records, the outbox,
+    ``MongoScope.database`` and ``MongoDatabase`` all live there). Deliveries run one at a
+    time unless the test runs several ``publish_*`` calls concurrently (``asyncio.gather``).
+    The consumer's lifespan is entered on the way in and exited on the way out; its
+    resources are the handlers' ``Resource`` values. With ``raise_handler_errors=True`` a
+    delivery whose handler raised an unexpected exception (anything but
+    ``QueueHandlerError``) re-raises it from ``publish_*``, once the delivery has settled.
     """
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, consumer: Consumer, *, database: str | None = None, relay_outbox: bool = True) -> None:
+    def __init__(
+        self,
+        consumer: Consumer,
+        *,
+        database: str | None = None,
+        relay_outbox: bool = True,
+        raise_handler_errors: bool = False,
+    ) -> None:
         self._consumer = consumer
         self._settings = consumer.settings
         self._database = database or self._settings.database
         self._relay_outbox = relay_outbox
+        self._raise_handler_errors = check_bool("raise_handler_errors", raise_handler_errors)
+        self._lifespan = contextlib.AsyncExitStack()
         self._tasks = TaskSet()
         self._engine: Engine | None = None
         self._dlq_names: frozenset[str] = frozenset()
@@ -175,15 +197,27 @@ class TestConsumer:
             self._settings, name=f"{self._settings.name}:test", database=self._database, telemetry=None
         )
         self._dlq_names = frozenset(options.dlq_name for options in plan.queues.values())
-        self._engine = await build_engine(settings, plan, self._tasks, state=lambda: "running", handoff=self._handoff)
+        try:
+            resources = await enter_lifespan(settings.lifespan, self._consumer, plan, self._lifespan)
+            self._engine = await build_engine(
+                settings, plan, self._tasks, state=lambda: "running", handoff=self._handoff, resources=resources
+            )
+        except BaseException:
+            await self._lifespan.aclose()
+            raise
         self._engine.open_in_process()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        pending = self._tasks.pending()
-        for task in pending:
-            task.cancel()
-        await self._tasks.join(pending, self._settings.force_timeout)
+        try:
+            pending = self._tasks.pending()
+            for task in pending:
+                task.cancel()
+            await self._tasks.join(pending, self._settings.force_timeout)
+            if self._engine is not None:
+                self._engine.runtime.failures.flush()
+        finally:
+            await self._lifespan.aclose()  # after every delivery and task, as a started consumer does
 
     @property
     def database(self) -> AsyncDatabase[Any]:
@@ -236,14 +270,16 @@ class TestConsumer:
         if message.queue not in runtime.queues:
             raise ConfigError(f"queue {message.queue!r} has no handler in this consumer")
         before = len(runtime.observations)
-        await runtime.deliver(message.queue, message)
+        exception = await runtime.deliver(message.queue, message)
         observation = runtime.observations.items()[before] if len(runtime.observations) > before else None
         assert observation is not None, "the delivery recorded no terminal observation"
         if message.settled == "nack_requeue":
             self.requeued.append(message)
         if self._relay_outbox:
             await self.relay_outbox()
-        return DeliveryResult(observation, message.settled)
+        if self._raise_handler_errors and exception is not None and not isinstance(exception, QueueHandlerError):
+            raise exception
+        return DeliveryResult(observation, message.settled, exception)
 
     # -- what the broker would do next -------------------------------------------------------
 
