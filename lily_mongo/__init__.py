@@ -16,7 +16,19 @@ from .errors import (
     ScopeClosedError,
     TransportError,
 )
-from .extractors import Bytes, EventId, Extractor, Json, RawDelivery, Redelivered, RetryCount, Text
+from .extractors import (
+    Bytes,
+    Depends,
+    EventId,
+    Extractor,
+    Json,
+    MongoDatabase,
+    RawDelivery,
+    Redelivered,
+    Resource,
+    RetryCount,
+    Text,
+)
 from .inbox import InboxOptions, MongoScope
 from .lifecycle import Consumer, ManagedConsumer, ShutdownAction, ShutdownReport
 from .observe import QueueSnapshot, Snapshot, TerminalObservation
@@ -30,6 +42,7 @@ __all__ = [
     "Consumer",
     "CustomPublishContent",
     "DeliveryContext",
+    "Depends",
     "EnvelopeError",
     "ErrorCode",
     "EventId",
@@ -38,6 +51,7 @@ __all__ = [
     "Json",
     "LilyError",
     "ManagedConsumer",
+    "MongoDatabase",
     "MongoScope",
     "PlanError",
     "PublishError",
@@ -48,6 +62,7 @@ __all__ = [
     "RawDelivery",
     "Redelivered",
     "RelayOptions",
+    "Resource",
     "RetryCount",
     "RetryPolicy",
     "ScopeClosedError",
