@@ -97,7 +97,8 @@ class DeliveryResult:
     def __repr__(self) -> str:
         # One short line, so that a failed ``assert result.outcome == "acked"`` shows the cause.
         shown = "None" if self.exception is None else truncate_utf8(repr(self.exception), _EXCEPTION_REPR_BYTES)
-        return f"DeliveryResult(outcome={self.outcome!r}, code={self.code!r}, exception={shown})"
+        code = None if self.code is None else str(self.code)  # a plain string, not an ErrorCode member
+        return f"DeliveryResult(outcome={self.outcome!r}, code={code!r}, exception={shown})"
 
     @property
     def outcome(self) -> str:
