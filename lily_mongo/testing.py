@@ -551,10 +551,10 @@ def _clean_failure(event_id: uuid.UUID, result: DeliveryResult, inbox: bool) -> 
     )
     if inbox and (result.code == ErrorCode.REPLAY_BUDGET_SPENT or result.observation.transient_replays):
         message += (
-            f". It was replayed {result.observation.transient_replays} times without any fault injected: the "
-            "likely cause is a write outside mongo.session (pass session=mongo.session to every operation "
-            "on mongo.database; a server that conflicts on any concurrent write, as the embedded one does, "
-            "fails the attempt's own commit on such a write every time)"
+            ". Its attempts were replayed without any fault injected: the likely cause is a write outside "
+            "mongo.session (pass session=mongo.session to every operation on mongo.database; a server "
+            "that conflicts on any concurrent write, as the embedded one does, fails the attempt's own "
+            "commit on such a write every time)"
         )
     elif result.exception is not None:
         message += f". The handler raised {type(result.exception).__name__}: {result.exception}"
