@@ -43,27 +43,43 @@ HANDFUL = 5  # tracebacks a burst may show: one per 10 s window, and the burst t
 
 
 def write_failing_service(directory: Path, q: str, token: str) -> None:
+    """``failing.consumer``: every delivery of ``q`` raises; its lifespan writes ``lifespan.log``."""
     source = f"""
         from __future__ import annotations
 
+        import contextlib
         import os
+        import pathlib
+        from typing import Annotated
 
-        from lily_mongo import Consumer, Json, RetryPolicy, queue
+        from lily_mongo import Consumer, Json, Resource, RetryPolicy, queue
+
+        LOG = pathlib.Path(__file__).with_name("lifespan.log")
+
+
+        @contextlib.asynccontextmanager
+        async def lifespan(consumer):
+            LOG.write_text("enter\\n")
+            try:
+                yield {{"token": {token!r}}}
+            finally:
+                with LOG.open("a") as log:
+                    log.write("exit\\n")
 
 
         @queue({q!r}, version=1, guarantee="at_least_once")
-        async def explode(payload: Json[dict[str, object]]) -> None:
-            raise RuntimeError("unexpected bug {token}")
+        async def explode(payload: Json[dict[str, object]], token: Annotated[str, Resource("token")]) -> None:
+            raise RuntimeError(f"unexpected bug {{token}}")
 
 
-        consumer = Consumer(amqp_url=os.environ["LILY_AMQP_URL"], name="failing")
+        consumer = Consumer(amqp_url=os.environ["LILY_AMQP_URL"], name="failing", lifespan=lifespan)
         consumer.configure_queue({q!r}, concurrency=4, prefetch=32, retry=RetryPolicy(max_retries=0, delays=()))
         consumer.include(explode)
     """
     (directory / "failing.py").write_text(textwrap.dedent(source))
 
 
-async def test_run_shows_the_handlers_traceback_and_a_burst_shows_a_handful_and_a_count(
+async def test_run_honours_the_lifespan_shows_the_handlers_traceback_and_counts_a_burst(
     amqp: str, mongo_uri: str, broker: Broker, tmp_path: Path
 ) -> None:
     q, token = broker.queue("bug"), uuid.uuid4().hex
@@ -77,6 +93,9 @@ async def test_run_shows_the_handlers_traceback_and_a_burst_shows_a_handful_and_
         process.send_signal(signal.SIGTERM)
         result = await finish(process, ["lily-mongo", "run"], timeout=30)
     assert result.returncode == 0, result.describe()
+    # The command honours the lifespan: entered (its resource reached the handler), exited at shutdown.
+    assert (tmp_path / "lifespan.log").read_text().splitlines() == ["enter", "exit"]
+    assert "lifespan_exit" in result.stdout, result.describe()
     lines = result.stderr.splitlines()
     failed = [n for n, line in enumerate(lines) if "handler failed: RuntimeError: unexpected bug " + token in line]
     dead = [n for n, line in enumerate(lines) if "delivery dead_lettered" in line]
