@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
+from pymongo.errors import PyMongoError
 
 from lily_mongo import (
     Consumer,
@@ -183,6 +184,25 @@ async def test_a_generator_factory_is_cleaned_up_once_per_attempt_including_a_tr
         # The failed attempt's write was rolled back with its transaction; the replayed one committed once.
         assert [d["text"] for d in await tc.database["notes"].find({}).to_list()] == ["a"]
     assert events[-1] == "lifespan exit"
+
+
+async def test_a_spent_replay_budget_keeps_and_logs_what_the_handler_raised(
+    mongodb: MongoDB, failpoints: Faults, caplog: pytest.LogCaptureFixture
+) -> None:
+    events: list[str] = []
+    async with TestConsumer(notes_consumer(mongodb, events)) as tc:
+        # Every insert into notes conflicts: each attempt's handler raises, and the attempts replay.
+        await failpoints.fail(
+            "insert", labels=["TransientTransactionError"], times=None, namespace=f"{mongodb.name}.notes"
+        )
+        result = await tc.publish_json("notes", {"text": "c"}, version=1)
+        await failpoints.clear()
+    assert (result.outcome, result.code) == ("deferred", "REPLAY_BUDGET_SPENT")
+    assert isinstance(result.exception, PyMongoError)
+    assert result.exception.has_error_label("TransientTransactionError")
+    [warning] = [r for r in caplog.records if r.getMessage().startswith("handler failed: OperationFailure")]
+    assert warning.exc_info is not None
+    assert "outcome=deferred code=REPLAY_BUDGET_SPENT" in warning.getMessage()
 
 
 # -- the lifespan of a started consumer --------------------------------------------------------------
