@@ -1,4 +1,4 @@
-"""The handler-failure log (docs/handlers.md, section 4): what a handler raised, where an operator sees it.
+"""The handler-failure log (docs/handlers.md, section 5): what a handler raised, where an operator sees it.
 
 An unexpected exception (anything but :class:`QueueHandlerError`) from a handler, its
 middleware, guards or dependencies is logged at WARNING with its traceback, naming

@@ -755,7 +755,7 @@ class Runtime:
             _log_terminal(qr.options.name, delivery.handler_id, event_id, terminal, code)
 
     def _report_failure(self, delivery: _Delivery, execution: Execution, terminal: str, event_id: Any) -> None:
-        """What the handler raised, to the failure log (docs/handlers.md, section 4)."""
+        """What the handler raised, to the failure log (docs/handlers.md, section 5)."""
         result = execution.result
         assert result.exception is not None
         envelope = delivery.envelope

@@ -68,7 +68,7 @@ class PipelineResult:
     """The pipeline's verdict, with a stable code and a bounded reason for failures.
 
     ``exception`` is what the handler (or its middleware, guards or dependencies) raised,
-    kept for the failure log and for tests (docs/handlers.md, section 4); no settlement
+    kept for the failure log and for tests (docs/handlers.md, section 5); no settlement
     decision reads it, and it takes no part in comparisons.
     """
 
