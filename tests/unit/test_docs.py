@@ -94,7 +94,7 @@ def test_the_documented_servers_are_rewritten_only_as_whole_string_literals() ->
 
 def test_a_page_defining_tests_is_a_test_page() -> None:
     tests = docblocks.blocks("```python\nasync def test_x():\n    pass\n```\n", "page.md")
-    script = docblocks.blocks("```python\nasync def helper():\n    pass\nawait helper()\n```\n", "page.md")
+    script = docblocks.blocks("```python\nasync def step():\n    pass\nawait step()\n```\n", "page.md")
     marked = docblocks.blocks("<!-- not runnable: a sketch -->\n```python\ndef test_y(): ...\n```\n", "page.md")
     assert (docblocks.is_test_page(tests), docblocks.is_test_page(script), docblocks.is_test_page(marked)) == (
         True,
