@@ -279,7 +279,7 @@ def run(
         console.print(report.render(), markup=False, highlight=False)
         # Non-zero when anything is unresolved or unobserved, and when the graceful
         # window did not suffice (a forced shutdown), so supervisors notice.
-        return ExitCode.OK if report.succeeded and not report.forced else ExitCode.FAILED
+        return ExitCode.OK if report.graceful else ExitCode.FAILED
 
     with _reported(ctx):
         consumer = load_consumer(target)

@@ -21,7 +21,6 @@ import asyncio
 import collections
 import enum
 import logging
-import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from pymongo import AsyncMongoClient
 from ._amqp import channel_errors, connect_amqp
 from ._checks import check_amqp_url, check_bool, check_seconds
 from ._redact import redact_url
+from ._signals import ShutdownSignals, graceful_notice
 from ._tasks import TaskSet, raise_if_cancel_requested
 from ._tasks import uncancellable as _uncancellable
 from ._text import describe_value
@@ -99,13 +99,20 @@ class ShutdownAction:
 @dataclass(frozen=True, slots=True)
 class ShutdownReport:
     """What shutdown did. ``succeeded`` only if every step returned OK, every
-    termination was observed and no delivery was left unresolved."""
+    termination was observed and no delivery was left unresolved; ``forced`` when the
+    graceful window did not settle every delivery; :attr:`graceful` when both went well."""
 
     actions: tuple[ShutdownAction, ...]
     settled: Mapping[str, int]
     unresolved: int
     forced: bool
     succeeded: bool
+
+    @property
+    def graceful(self) -> bool:
+        """True when the shutdown succeeded within the graceful window, without forcing: the one outcome
+        ``lily-mongo run`` exits 0 after."""
+        return self.succeeded and not self.forced
 
     def action(self, name: str) -> ShutdownAction:
         """The action called ``name`` (KeyError if the shutdown did not run it)."""
@@ -116,10 +123,13 @@ class ShutdownReport:
 
     def render(self) -> str:
         """A human-readable multi-line summary (no endpoints, no credentials)."""
-        lines = [
-            f"shutdown {'succeeded' if self.succeeded else 'FAILED'}"
-            f"{' (forced)' if self.forced else ''}; unresolved deliveries: {self.unresolved}"
-        ]
+        if self.graceful:
+            status = "succeeded"
+        elif self.succeeded:  # forced, yet everything settled (after the force notice)
+            status = "FORCED"
+        else:
+            status = "FAILED (forced)" if self.forced else "FAILED"
+        lines = [f"shutdown {status}; unresolved deliveries: {self.unresolved}"]
         for a in self.actions:
             status = ("ok" if a.ok else "error") + (", terminated" if a.observed else ", termination NOT observed")
             lines.append(f"  {a.name:<18} {status} ({a.duration:.3f} s){': ' + a.error if a.error else ''}")
@@ -476,23 +486,12 @@ class ManagedConsumer:
         self._force_requested.set()
 
     def install_signal_handlers(self, loop: asyncio.AbstractEventLoop | None = None) -> Callable[[], None]:
-        """SIGTERM/SIGINT: first → graceful shutdown, second → force. Returns an uninstaller."""
-        loop = loop or asyncio.get_running_loop()
-
-        def on_signal() -> None:
-            if self._stop_requested.is_set():
-                self.request_force()
-            else:
-                self.request_shutdown()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
-
-        def uninstall() -> None:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-
-        return uninstall
+        """SIGTERM/SIGINT: the first → graceful shutdown; one at least 1 s later → force (a burst counts
+        once, docs/lifecycle.md section 8). Returns an uninstaller."""
+        signals = ShutdownSignals(
+            self.request_shutdown, self.request_force, notice=graceful_notice(self._graceful_timeout)
+        )
+        return signals.install(loop)
 
     def snapshot(self) -> Snapshot:
         """Bounded aggregate state: counts only, never payloads, ids, names or endpoints."""
