@@ -49,6 +49,7 @@ class ConsumerSettings:
     inbox: InboxOptions
     owns_mongo_client: bool
     telemetry: Telemetry | None = None
+    mongo_check_timeout: float = 10.0
 
 
 def _nothing() -> None:

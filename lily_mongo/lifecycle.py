@@ -32,6 +32,7 @@ from pymongo import AsyncMongoClient
 
 from ._amqp import channel_errors, connect_amqp
 from ._checks import check_amqp_url, check_bool, check_seconds
+from ._mongo import check_mongo
 from ._redact import redact_url
 from ._signals import ShutdownSignals, graceful_notice
 from ._tasks import TaskSet, raise_if_cancel_requested
@@ -208,7 +209,9 @@ class Consumer:
     collections and is what ``MongoScope.database`` returns. ``telemetry``:
     traces and metrics through the OpenTelemetry API, on by default when it is
     installed (``False`` turns them off; a :class:`~lily_mongo.telemetry.Telemetry`
-    chooses providers), see ``docs/observability.md``.
+    chooses providers), see ``docs/observability.md``. ``mongo_check_timeout``: how long
+    :meth:`start` waits for the MongoDB server to answer before it fails, in one line
+    (docs/lifecycle.md, section 1).
     """
 
     def __init__(
@@ -224,6 +227,7 @@ class Consumer:
         inbox: InboxOptions | None = None,
         owns_mongo_client: bool = False,
         telemetry: bool | Telemetry = True,
+        mongo_check_timeout: float = 10.0,
     ) -> None:
         check_amqp_url("amqp_url", amqp_url)
         if mongo_client is not None and not isinstance(mongo_client, AsyncMongoClient):
@@ -249,6 +253,9 @@ class Consumer:
             inbox=inbox or InboxOptions(),
             owns_mongo_client=owns_mongo_client,
             telemetry=resolve_telemetry(telemetry),
+            mongo_check_timeout=check_seconds(
+                "mongo_check_timeout", mongo_check_timeout, low=0, high=600, low_inclusive=False
+            ),
         )
         self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
         self._outgoing: list[OutgoingMessage] = []
@@ -427,6 +434,18 @@ class ManagedConsumer:
         return self._settings.telemetry
 
     async def _start(self) -> None:
+        settings = self._settings
+        if settings.mongo_client is not None:
+            assert settings.database is not None
+            # Before anything else: an unreachable MongoDB, a refused login or a server without
+            # transactions fails the start in one line within the check's timeout.
+            await check_mongo(
+                settings.mongo_client,
+                database=settings.database,
+                collection=settings.inbox.records,
+                timeout=settings.mongo_check_timeout,
+                transactions=any(handler.guarantee == "inbox" for handler in self.plan.handlers),
+            )
         self._connection = await connect_amqp(self._settings.amqp_url)
         for options in self.plan.queues.values():
             await declare_topology(self._connection, options)  # checks for a cancel between declarations
