@@ -156,6 +156,10 @@ class DemoResult:
     ledger_problems: list[str]
     confirmed_events: int
     shutdown: ShutdownReport | None
+    poison: int = 0
+    """Poison messages among ``published_messages`` (no envelope, broken JSON, an unknown version, ...)."""
+    injected_failures: int = 0
+    """Transient database failures injected with a failpoint (0 where the server refused it)."""
 
     @property
     def throughput(self) -> float:
@@ -312,6 +316,7 @@ async def _run_demo(
             await channel.declare_queue(confirmed_queue, durable=True)
             consumer = build_consumer(amqp_url, client, database, work_queue, confirmed_queue)
             managed = await consumer.start()
+            injected = 0
             if transient_failures:
                 # A production server without test commands refuses this: then no injected failures.
                 with contextlib.suppress(PyMongoError):
@@ -326,6 +331,7 @@ async def _run_demo(
                             },
                         }
                     )
+                    injected = transient_failures
             started = time.monotonic()
             sent = await _publish_workload(amqp_url, work_queue, workload, rng)
             expected_dlq = workload.poison + workload.invalid
@@ -374,6 +380,8 @@ async def _run_demo(
                 ledger_problems=problems,
                 confirmed_events=confirmed_events,
                 shutdown=report,
+                poison=workload.poison,
+                injected_failures=injected,
             )
         finally:
             if managed is not None:
