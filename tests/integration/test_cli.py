@@ -141,6 +141,16 @@ def one_error_line(result: Completed) -> str:
     return lines[0]
 
 
+def run_error_line(result: Completed) -> str:
+    """``run``'s error: after its banner (``starting ...``), exactly one ``error:`` line, the last, no traceback."""
+    assert "Traceback" not in result.stderr + result.stdout, result.describe()
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines and lines[0].startswith("starting "), result.describe()
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], result.describe()
+    assert len(lines) == 2, result.describe()
+    return lines[-1]
+
+
 @contextlib.asynccontextmanager
 async def cli_process(*args: str, env: dict[str, str], cwd: Path) -> AsyncIterator[asyncio.subprocess.Process]:
     """A long-running command; killed and reaped if the test leaves it running."""
@@ -893,7 +903,7 @@ async def test_run_with_an_unreachable_broker_exits_3_without_the_password(
     (tmp_path / "unreachable.py").write_text(textwrap.dedent(source))
     result = await run_cli("run", "unreachable:consumer", env=env, cwd=tmp_path)
     assert result.returncode == 3, result.describe()
-    line = one_error_line(result)
+    line = run_error_line(result)
     assert "RabbitMQ is not reachable at amqp://guest:***@127.0.0.1:1/" in line
     assert "ssw0rd" not in result.stderr + result.stdout
 
