@@ -46,7 +46,7 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from ._http import WorkerProbes
 
-__all__ = ["MAX_RESTARTS", "WorkerOptions", "restart_delay", "supervise"]
+__all__ = ["MAX_RESTARTS", "WorkerOptions", "exit_status", "restart_delay", "supervise"]
 
 say = logging.getLogger(COMMAND_LOGGER)
 
@@ -69,6 +69,24 @@ class WorkerOptions:
     log_level: str
     log_format: str
     debug: bool
+
+
+_INTERRUPTED = 130  # a worker stopped while it started (cli.ExitCode.INTERRUPTED)
+# A worker the signal reached before it could handle one (still importing): stopped while starting too.
+_STOPPED_EARLY = frozenset({_INTERRUPTED, -signal.SIGTERM, -signal.SIGINT})
+
+
+def exit_status(finals: list[int | None]) -> int:
+    """The supervisor's exit status from each worker's last one (None: it was not running at the end).
+
+    0 when every worker shut down gracefully; 130 when the others did and some were stopped
+    while they started (nothing of theirs was left running); 1 otherwise.
+    """
+    if all(code == 0 for code in finals):
+        return 0
+    if all(code == 0 or code in _STOPPED_EARLY for code in finals):
+        return _INTERRUPTED
+    return _FAILED
 
 
 def restart_delay(failures: int, *, jitter: float) -> float | None:
@@ -154,13 +172,13 @@ class Supervisor:
                 await probes.stop()
         if self._gave_up is not None:
             return self._gave_up
-        graceful = all(self._final.get(index) == 0 for index in range(1, count + 1))
+        finals = [self._final.get(index) for index in range(1, count + 1)]
         say.log(
-            logging.INFO if graceful else logging.WARNING,
+            logging.INFO if all(code == 0 for code in finals) else logging.WARNING,
             "workers stopped: %s",
-            ", ".join(f"{index}: exit {self._final.get(index, '?')}" for index in range(1, count + 1)),
+            ", ".join(f"{index}: exit {'?' if code is None else code}" for index, code in enumerate(finals, 1)),
         )
-        return 0 if graceful else _FAILED
+        return exit_status(finals)
 
     # -- signals ------------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import pytest
 
 from lily_mongo._logs import COMMAND_LOGGER, JsonFormatter, TextFormatter
 from lily_mongo._text import bind_reason
-from lily_mongo._workers import MAX_RESTARTS, restart_delay
+from lily_mongo._workers import MAX_RESTARTS, exit_status, restart_delay
 from lily_mongo.runtime import _log_fields
 
 
@@ -81,3 +81,20 @@ def test_a_dying_worker_is_restarted_with_growing_waits_then_given_up() -> None:
     assert low == [0.25, 0.5, 1.0, 2.0, 4.0]  # half the step at least: 0.5 s doubling
     assert all(h is not None and l_ is not None and l_ < h < 2 * l_ for l_, h in zip(low, high, strict=True))
     assert restart_delay(MAX_RESTARTS + 1, jitter=0.5) is None
+
+
+@pytest.mark.parametrize(
+    ("finals", "status"),
+    [
+        ([0, 0], 0),
+        ([0, 130], 130),  # one was stopped while it started
+        ([0, -15], 130),  # ... before it could even handle the signal
+        ([0, 1], 1),  # a forced or failed shutdown
+        ([0, None], 1),  # a worker that was dead at the end
+        ([130, 1], 1),
+    ],
+)
+def test_the_supervisor_exits_0_only_when_every_worker_shut_down_gracefully(
+    finals: list[int | None], status: int
+) -> None:
+    assert exit_status(finals) == status
