@@ -122,7 +122,8 @@ async def one_run(
                     f"the command ended ({process.returncode}) or took too long with messages left:\n{log.read_text()}"
                 )
             await asyncio.sleep(0.05)
-        process.send_signal(signal.SIGTERM)  # the last prefetched messages drain
+        await asyncio.sleep(0.5)  # the last prefetched messages are handled
+        process.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(process.wait(), 120)
     finally:
         if process.returncode is None:
@@ -133,12 +134,16 @@ async def one_run(
     seen = [json.loads(path.read_text()) for path in out.glob("*.json")]
     active = [s for s in seen if s["count"]]
     handled = sum(s["count"] for s in active)
-    if handled != args.messages:
-        raise SystemExit(f"{handled} of {args.messages} messages handled with {workers} worker(s)")
+    # Messages still buffered (received, not started) at SIGTERM go back to the queue: counted, then purged.
+    returned = await ready(channel, name)
+    if handled + returned != args.messages:
+        raise SystemExit(f"{handled} handled and {returned} returned of {args.messages} with {workers} worker(s)")
+    if returned:
+        await (await channel.declare_queue(name, passive=True)).purge()
     span = max(s["last"] for s in active) - min(s["first"] for s in active)
     cpu = sum(s["cpu_last"] - s["cpu_first"] for s in active)
     skew = max(s["first"] for s in active) - min(s["first"] for s in active)
-    return Run(args.messages, span, cpu, sorted((s["count"] for s in active), reverse=True), skew)
+    return Run(handled, span, cpu, sorted((s["count"] for s in active), reverse=True), skew)
 
 
 async def bench(args: argparse.Namespace) -> int:

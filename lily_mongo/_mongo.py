@@ -189,7 +189,7 @@ def _seeds(client: AsyncMongoClient[Any]) -> tuple[tuple[str, int], ...]:
 async def check_mongo(
     client: AsyncMongoClient[Any], *, database: str, collection: str, timeout: float, transactions: bool
 ) -> None:
-    """Fail fast, in one line, when the consumer's MongoDB cannot serve it (docs/lifecycle.md, section 1).
+    """Fail fast, in one line, when the consumer's MongoDB cannot serve it (docs/lifecycle.md, section 2).
 
     Within ``timeout`` seconds (``pymongo.timeout``: the client's own options are left as
     they are) the server must answer ``hello``; with ``transactions`` it must also be a

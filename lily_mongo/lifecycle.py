@@ -211,7 +211,7 @@ class Consumer:
     installed (``False`` turns them off; a :class:`~lily_mongo.telemetry.Telemetry`
     chooses providers), see ``docs/observability.md``. ``mongo_check_timeout``: how long
     :meth:`start` waits for the MongoDB server to answer before it fails, in one line
-    (docs/lifecycle.md, section 1).
+    (docs/lifecycle.md, section 2).
     """
 
     def __init__(
@@ -231,7 +231,11 @@ class Consumer:
     ) -> None:
         check_amqp_url("amqp_url", amqp_url)
         if mongo_client is not None and not isinstance(mongo_client, AsyncMongoClient):
-            raise ConfigError(f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}")
+            motor = type(mongo_client).__module__.split(".")[0] == "motor"
+            hint = "; Motor gave way to PyMongo's own async API: see docs/migrating.md, 'From Motor'" if motor else ""
+            raise ConfigError(
+                f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}{hint}"
+            )
         if mongo_client is None:
             given_without = (("database", database), ("inbox", inbox), ("owns_mongo_client", owns_mongo_client))
             for field_name, given in given_without:

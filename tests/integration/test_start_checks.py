@@ -1,4 +1,4 @@
-"""Consumer.start fails fast, in one line, when its MongoDB cannot serve it (docs/lifecycle.md, section 1).
+"""Consumer.start fails fast, in one line, when its MongoDB cannot serve it (docs/lifecycle.md, section 2).
 
 A closed port, a replica set name no server answers to, a refused login and a
 server without transactions each give their own sentence, naming the client's
