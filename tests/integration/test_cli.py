@@ -919,7 +919,18 @@ async def test_debug_shows_the_traceback_without_locals_or_the_password(env: dic
 
 
 @pytest.mark.parametrize(
-    "args", [(), ("dlq",), ("dlq", "list"), ("dlq", "replay"), ("inbox", "stats"), ("run",), ("asyncapi",), ("demo",)]
+    "args",
+    [
+        (),
+        ("dlq",),
+        ("dlq", "list"),
+        ("dlq", "replay"),
+        ("inbox", "stats"),
+        ("run",),
+        ("asyncapi",),
+        ("demo",),
+        ("embedded",),
+    ],
 )
 def test_help_documents_the_exit_status(args: tuple[str, ...]) -> None:
     result = CliRunner().invoke(cli_app, [*args, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})

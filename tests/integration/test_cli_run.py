@@ -21,8 +21,10 @@ import time
 import urllib.parse
 from pathlib import Path
 
+import aio_pika
 import pytest
 
+from lily_mongo.records import COMPLETED
 from tests.integration.test_cli import (
     cli_env,
     cli_process,
@@ -255,3 +257,33 @@ async def test_the_http_port_error_names_the_reason(env: dict[str, str], broker:
         f"error: cannot listen on 127.0.0.1:{port}: address already in use (another process listens there: "
         "choose another port)"
     )
+
+
+async def test_the_tables_are_readable_at_80_columns(env: dict[str, str], broker: Broker, mongodb: MongoDB) -> None:
+    narrow = {**env, "COLUMNS": "80"}
+    handler = "orders.created/v1/json/on_order_created_with_a_rather_long_name"
+    await mongodb.db["lily_inbox"].insert_one({"_id": f"{handler}|e1", "handler": handler, "state": COMPLETED})
+    stats = await run_cli("inbox", "stats", mongodb.name, "--mongo-uri", mongodb.uri, env=narrow)
+    assert stats.returncode == 0, stats.describe()
+    assert all(len(line) <= 80 for line in stats.stdout.splitlines()), stats.stdout
+    assert "published" in stats.stdout  # each column header whole, folded onto two lines
+    assert handler in "".join(line.split("│")[1].strip() for line in stats.stdout.splitlines() if "│" in line)
+
+    q = broker.queue("narrow")
+    await broker.channel.declare_queue(f"{q}.dlq", durable=True)
+    reason = "the payment gateway answered 503 three times in a row and the order could not be confirmed"
+    headers = {
+        "x-lily-event-id": "0f8fad5b-d9cb-469f-a165-70867728950e",
+        "x-lily-failure-code": "PAYMENT_DOWN",
+        "x-lily-failure-reason": reason,
+        "x-lily-failed-queue": q,
+    }
+    await broker.channel.default_exchange.publish(aio_pika.Message(b"{}", headers=headers), routing_key=f"{q}.dlq")
+    assert await broker.wait_for_depth(f"{q}.dlq", 1) == 1
+    listed = await run_cli("dlq", "list", q, env=narrow)
+    assert listed.returncode == 0, listed.describe()
+    assert all(len(line) <= 80 for line in listed.stdout.splitlines()), listed.stdout
+    assert "0f8fad5b-d9cb-469f-a165-70867728950e  library  PAYMENT_DOWN" in listed.stdout
+    assert reason in " ".join(listed.stdout.split())  # whole, wrapped at the terminal's width
+    wide = await run_cli("dlq", "list", q, "--wide", env=narrow)
+    assert "┃ event id" in wide.stdout, wide.describe()
