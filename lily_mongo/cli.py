@@ -569,7 +569,7 @@ def demo(
     table.add_row("throughput", f"{result.throughput:.1f} messages/s over {result.elapsed:.1f} s")
     table.add_row("ledger check", "[green]PASS[/]" if result.ledger_ok else "[red]FAIL[/]")
     console.print(table)
-    console.print(_demo_legend(result, embedded=mongo_uri is None), markup=False, highlight=False)
+    console.print(_demo_legend(result), markup=False, highlight=False)
     for problem in result.ledger_problems:
         console.print(f"[red]ledger:[/] {problem}")
     if result.shutdown is not None and not result.shutdown.succeeded:
@@ -577,28 +577,25 @@ def demo(
     raise typer.Exit(ExitCode.OK if result.ledger_ok else ExitCode.FAILED)
 
 
-def _demo_legend(result: DemoResult, *, embedded: bool) -> str:
-    """What the demo's counters mean, in a few lines under its table."""
+def _demo_legend(result: DemoResult) -> str:
+    """What the demo's counters mean: a few lines under its table."""
     duplicates = result.published_messages - result.orders - result.poison
     lines = [
-        "legend:",
-        f"  published: {result.orders} orders, in brackets the messages: each order once, {duplicates} duplicate "
-        f"copies of valid orders (same event id) and {result.poison} poison messages",
-        "  settled (progress bar): orders applied + messages dead-lettered (invalid orders, poison); duplicates",
-        "    are absorbed by the inbox and retried copies come back, so neither is counted there",
-        "  retried: a flaky payment's first attempt, handed to a retry bucket; it comes back and is applied",
-        "  deferred: requeued without spending a retry (a lease held by a concurrent copy of the same event, a",
-        "    replay budget spent); the copy comes back",
-        f"  transient replays: attempts re-run after a transient transaction error ({result.injected_failures} "
-        "injected on purpose) or a failed commit",
+        f"published: {result.orders} orders once each, {duplicates} duplicate copies (same event id) and "
+        f"{result.poison} poison messages: {result.published_messages} messages",
+        "settled (the progress bar): orders applied + messages dead-lettered; duplicates and retry copies",
+        "  are not counted there",
+        "retried: a flaky payment's first attempt went to a retry bucket; its copy came back and was applied",
+        "deferred: requeued without spending a retry (a concurrent copy held the lease, a replay budget ran out)",
+        f"transient replays: attempts re-run after a transient error ({result.injected_failures} injected) or a "
+        "failed commit",
     ]
-    if embedded:
+    if result.emulator:
         lines.append(
-            "    on the embedded emulator most replays come from its global write conflicts: any write between a "
-            "transaction's first operation and its commit fails that commit (MongoDB conflicts per document, "
-            "docs/emulator.md)"
+            "  on the embedded emulator most come from its global write conflicts: any write between a\n"
+            "  transaction's first operation and its commit fails that commit (docs/emulator.md)"
         )
-    return "\n".join(lines)
+    return "legend:\n" + "\n".join(f"  {line}" for line in "\n".join(lines).splitlines())
 
 
 # -- dlq ---------------------------------------------------------------------------------------------

@@ -160,6 +160,8 @@ class DemoResult:
     """Poison messages among ``published_messages`` (no envelope, broken JSON, an unknown version, ...)."""
     injected_failures: int = 0
     """Transient database failures injected with a failpoint (0 where the server refused it)."""
+    emulator: bool = False
+    """The server was the embedded emulator (mongoeco), whose write conflicts are global."""
 
     @property
     def throughput(self) -> float:
@@ -316,6 +318,8 @@ async def _run_demo(
             await channel.declare_queue(confirmed_queue, durable=True)
             consumer = build_consumer(amqp_url, client, database, work_queue, confirmed_queue)
             managed = await consumer.start()
+            hello = await client.admin.command("hello")
+            emulator = hello.get("gitVersion") == "mongoeco"  # how the embedded server names itself
             injected = 0
             if transient_failures:
                 # A production server without test commands refuses this: then no injected failures.
@@ -382,6 +386,7 @@ async def _run_demo(
                 shutdown=report,
                 poison=workload.poison,
                 injected_failures=injected,
+                emulator=emulator,
             )
         finally:
             if managed is not None:
