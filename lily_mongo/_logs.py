@@ -39,6 +39,8 @@ FIELDS = (
     "outcome",
     "code",
     "duration_ms",
+    "attempt",
+    "retry_count",
     "step",
     "signal",
     "worker",
