@@ -283,6 +283,9 @@ class Supervisor:
             theirs.close()
         worker = Worker(index, process, time.monotonic(), link=ours)
         self.workers[index] = worker
+        if self.stopping:  # a signal came while it was being started: it stops as the others do
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
         say.info("worker %d started (pid %d)", index, process.pid, extra={"pid": process.pid})
         self._tasks.spawn(self._listen(worker), name=f"lily-worker-{index}-link")
         return worker
