@@ -11,17 +11,27 @@ opens no HTTP port (docs/observability.md, section 3); only the command does, wh
   503 while starting, reconnecting, draining or stopped;
 * ``GET /metrics``: the snapshot's counters and gauges by queue (and outcome),
   and the duration histograms that telemetry keeps (when it is on).
+
+With ``--workers N`` the supervisor serves :class:`WorkerProbes` on the port
+instead: each worker runs its own :class:`ProbeServer` on a free loopback port,
+and the supervisor asks every worker when it is asked. prometheus_client's
+multiprocess mode cannot serve here: it aggregates only its own instruments,
+written to shared files, while these metrics are read from each consumer's
+snapshot when scraped (docs/deployment.md, section 2).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, GCCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from ._metrics import (
     DELIVERIES,
@@ -34,9 +44,10 @@ from ._metrics import (
 )
 
 if TYPE_CHECKING:
+    from ._workers import Supervisor
     from .lifecycle import ManagedConsumer, ShutdownReport
 
-__all__ = ["MetricsCollector", "ProbeServer"]
+__all__ = ["MetricsCollector", "ProbeServer", "WorkerProbes", "merge_worker_metrics"]
 
 
 class MetricsCollector:
@@ -117,10 +128,13 @@ class ProbeServer:
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
 
     async def start(self) -> None:
-        """Listen (raises OSError when the address is taken)."""
+        """Listen (raises OSError when the address is taken); with port 0, :attr:`port` is then the one chosen."""
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
+        addresses = self._runner.addresses
+        if addresses:
+            self.port = int(addresses[0][1])
 
     def attach(self, managed: ManagedConsumer) -> None:
         """Serve this started consumer's state from now on."""
@@ -151,6 +165,131 @@ class ProbeServer:
         return web.Response(status=503, text=f"not ready: {state}\n")
 
     async def _metrics(self, _request: web.Request) -> web.Response:
+        body = generate_latest(self._registry)
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+
+# -- run --workers: the supervisor's probes --------------------------------------------------------
+
+_ASK_SECONDS = 2.0  # how long the supervisor waits for one worker's answer
+
+
+def merge_worker_metrics(expositions: Iterable[tuple[int, str]]) -> list[Metric]:
+    """The families of several workers' ``/metrics`` texts as one, each sample labelled ``worker``."""
+    merged: dict[str, Metric] = {}
+    for index, text in expositions:
+        for family in text_string_to_metric_families(text):
+            target = merged.get(family.name)
+            if target is None:
+                target = merged[family.name] = Metric(family.name, family.documentation, family.type)
+            for sample in family.samples:
+                labels = {**sample.labels, "worker": str(index)}
+                target.samples.append(Sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar))
+    return list(merged.values())
+
+
+class _WorkerMetrics:
+    """Collector of the supervisor's own series and the last merged worker families."""
+
+    def __init__(self, probes: WorkerProbes) -> None:
+        self._probes = probes
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        supervisor = self._probes.supervisor
+        yield GaugeMetricFamily(
+            "lily_workers", "Worker processes configured (run --workers)", value=supervisor.options.workers
+        )
+        alive = sum(1 for worker in supervisor.workers.values() if worker.alive)
+        yield GaugeMetricFamily("lily_workers_alive", "Worker processes running now", value=alive)
+        yield CounterMetricFamily(
+            "lily_worker_restarts", "Workers restarted after they died", value=supervisor.restarts
+        )
+        yield from self._probes.families
+
+
+class WorkerProbes:
+    """``/healthz``, ``/readyz`` and ``/metrics`` for every worker of ``run --workers``, on ``host:port``.
+
+    Ready only when every worker answers ready; ``/metrics`` is every worker's, each sample
+    labelled ``worker="<n>"``, and the supervisor's own series (workers, restarts).
+    """
+
+    def __init__(self, host: str, port: int, supervisor: Supervisor) -> None:
+        self.host = host
+        self.port = port
+        self.supervisor = supervisor
+        self.families: list[Metric] = []
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(_WorkerMetrics(self))
+        app = web.Application()
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        """Listen (raises OSError when the address cannot be used)."""
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        addresses = self._runner.addresses
+        if addresses:
+            self.port = int(addresses[0][1])
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_ASK_SECONDS))
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        await self._runner.cleanup()
+
+    async def _ask(self, port: int, path: str) -> tuple[int, str] | None:
+        assert self._session is not None
+        try:
+            async with self._session.get(f"http://127.0.0.1:{port}{path}") as response:
+                return response.status, await response.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        if self.supervisor.failed:
+            return web.Response(status=503, text="gave up on a worker\n")
+        return web.Response(text="ok\n")
+
+    async def _readyz(self, _request: web.Request) -> web.Response:
+        supervisor = self.supervisor
+        indexes = range(1, supervisor.options.workers + 1)
+
+        async def state(index: int) -> str | None:
+            worker = supervisor.workers.get(index)
+            if supervisor.stopping:
+                return "stopping"
+            if worker is None or not worker.alive or worker.http_port is None:
+                return "starting"
+            answer = await self._ask(worker.http_port, "/readyz")
+            if answer is None:
+                return "not answering"
+            return None if answer[0] == 200 else answer[1].strip().removeprefix("not ready: ")
+
+        states = await asyncio.gather(*(state(index) for index in indexes))
+        waiting = [f"worker {index}: {text}" for index, text in zip(indexes, states, strict=True) if text is not None]
+        if waiting:
+            return web.Response(status=503, text=f"not ready: {'; '.join(waiting)}\n")
+        return web.Response(text="ready\n")
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        ports = [
+            (worker.index, worker.http_port)
+            for worker in sorted(self.supervisor.workers.values(), key=lambda w: w.index)
+            if worker.alive and worker.http_port is not None
+        ]
+        answers = await asyncio.gather(*(self._ask(port, "/metrics") for _, port in ports))
+        texts = [(index, answer[1]) for (index, _), answer in zip(ports, answers, strict=True) if answer is not None]
+        self.families = merge_worker_metrics(texts)
         body = generate_latest(self._registry)
         response = web.Response(body=body)
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST

@@ -6,9 +6,12 @@ values are cut to a byte budget and control characters are replaced.
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import socket
 
-__all__ = ["describe_key", "describe_value", "sanitize", "truncate_utf8"]
+__all__ = ["bind_reason", "describe_key", "describe_value", "sanitize", "truncate_utf8"]
 
 _UNSAFE = re.compile(r"[^\x20-\x7e]")
 
@@ -51,3 +54,21 @@ def sanitize(text: str, max_bytes: int) -> str:
     """Printable ASCII only (anything else becomes ``?``), cut to ``max_bytes``: for header values
     built from untrusted text, such as a failure reason."""
     return _UNSAFE.sub("?", text[:max_bytes])
+
+
+def bind_reason(exc: OSError, host: str) -> str:
+    """Why a listening socket on ``host`` could not be opened, in words that say what to change."""
+    number = exc.errno
+    if number is None and str(exc).startswith("could not bind on any address"):
+        number = errno.EADDRNOTAVAIL  # asyncio's create_server drops that errno and says only this
+    if number == errno.EADDRINUSE:
+        return "address already in use (another process listens there: choose another port)"
+    if number == errno.EADDRNOTAVAIL:
+        return f"cannot assign requested address ({host} is not an address of this machine)"
+    if number == errno.EACCES:
+        return "permission denied (ports below 1024 need privileges)"
+    if isinstance(exc, socket.gaierror):
+        return f"unknown host {host!r}"
+    if number is not None:
+        return os.strerror(number).lower()
+    return str(exc) or type(exc).__name__

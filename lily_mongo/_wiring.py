@@ -59,6 +59,7 @@ class ConsumerSettings:
     owns_mongo_client: bool
     telemetry: Telemetry | None = None
     lifespan: Lifespan | None = None
+    mongo_check_timeout: float = 10.0
 
 
 def _nothing() -> None:

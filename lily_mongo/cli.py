@@ -1,10 +1,13 @@
-"""The ``lily-mongo`` command: run, demo, asyncapi, dlq, inbox.
+"""The ``lily-mongo`` command: run, demo, asyncapi, dlq, inbox, embedded.
 
 A thin shell: each command parses its options, calls the package (``lifecycle``,
-``demo``, ``asyncapi``, ``dlq``, ``inbox.inbox_stats``) and prints the result. Errors
-end the command with one line on stderr saying what failed and what to do, and
-a documented exit status; ``--debug`` adds the traceback (never local
-variables, and with passwords masked).
+``demo``, ``asyncapi``, ``dlq``, ``inbox.inbox_stats``, ``embedded``; ``_workers`` for
+``run --workers`` and ``--reload``) and prints the result. Errors end the command
+with one line on stderr saying what failed and what to do, and a documented exit
+status (usage errors too: one ``error:`` line, status 2); ``--debug`` adds the
+traceback (never local variables, and with passwords masked). The command's own
+lines go through the ``lily_mongo.cli`` logger (``_logs``), so ``run --log-format
+json`` writes nothing but JSON objects on stderr.
 
 Needs the ``cli`` extra (``pip install 'lily-mongo[cli]'``): typer for the
 commands, rich for progress and tables, PyYAML for YAML output.
@@ -17,13 +20,18 @@ import contextlib
 import enum
 import functools
 import importlib
+import importlib.metadata
 import inspect
 import json
+import logging
 import os
+import signal
+import socket
 import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 try:
@@ -37,10 +45,11 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
     raise SystemExit(2) from exc
 
 from . import inbox as inbox_records
-from ._logs import configure_logging
-from ._mongo import mongo_errors, open_mongo
+from ._logs import COMMAND_LOGGER, configure_logging
+from ._mongo import MONGODB, describe_client, mongo_errors, open_mongo
 from ._redact import redact_url, scrub
-from ._text import describe_value
+from ._signals import ShutdownSignals, graceful_notice
+from ._text import bind_reason, describe_value
 from .asyncapi import asyncapi_document
 from .dlq import DlqListing, list_dead_letters, replay_dead_letters
 from .errors import ConfigError, LilyError, PublishError, TransportError
@@ -50,6 +59,8 @@ from .plan import routes_of
 
 if TYPE_CHECKING:
     from ._http import ProbeServer
+    from .demo import DemoResult
+    from .lifecycle import ManagedConsumer, ShutdownReport
 
 __all__ = ["ExitCode", "app", "main"]
 
@@ -60,13 +71,15 @@ class ExitCode(enum.IntEnum):
     OK = 0
     FAILED = 1  # the command ran and failed (a failed or forced shutdown, a ledger mismatch, nothing to replay)
     USAGE = 2  # bad usage: an option, a target that is not a Consumer, a plan error, a queue that does not exist
-    UNAVAILABLE = 3  # RabbitMQ or MongoDB unreachable, or refusing the login or virtual host
+    UNAVAILABLE = 3  # RabbitMQ or MongoDB unreachable, refusing the login or virtual host, or without transactions
+    INTERRUPTED = 130  # run: SIGINT or SIGTERM before the consumer had started (it stopped cleanly)
 
 
 EXIT_CODES = (
     "Exit status: 0 success; 1 the command failed (run: a forced or failed shutdown); 2 bad usage (an option, "
     "a target that is not a Consumer, an invalid plan, a queue that does not exist); 3 RabbitMQ or MongoDB "
-    "unreachable or refusing the connection. Errors are one line on stderr; --debug adds the traceback."
+    "unreachable or refusing the connection; 130 run was stopped by a signal while starting. Errors are one "
+    "line on stderr; --debug adds the traceback."
 )
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 DEFAULT_MONGO_URI = "mongodb://127.0.0.1:27017/"
@@ -87,8 +100,10 @@ app.add_typer(dlq_app, name="dlq")
 app.add_typer(inbox_app, name="inbox")
 console = Console()
 err_console = Console(stderr=True)
+say = logging.getLogger(COMMAND_LOGGER)  # the command's own lines: plain as text, one object each as JSON
 
 _AMQP_HINT = "is it running? Check --amqp-url (or LILY_AMQP_URL)"
+_MONGO_HINT = "is it running? Check --mongo-uri (or LILY_MONGO_URI)"
 AmqpOption = Annotated[str, typer.Option("--amqp-url", envvar="LILY_AMQP_URL", help="RabbitMQ URL.")]
 MongoOption = Annotated[str, typer.Option("--mongo-uri", envvar="LILY_MONGO_URI", help="MongoDB URI.")]
 
@@ -98,6 +113,16 @@ class _Settings:
     debug: bool
 
 
+def _version() -> str:
+    return importlib.metadata.version("lily-mongo")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"lily-mongo {_version()}\n")
+        raise typer.Exit()
+
+
 @app.callback()
 def _options(
     ctx: typer.Context,
@@ -105,10 +130,14 @@ def _options(
         bool,
         typer.Option("--debug", envvar="LILY_MONGO_DEBUG", help="Show the traceback of an error (passwords masked)."),
     ] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit."),
+    ] = False,
 ) -> None:
     ctx.obj = _Settings(debug=debug)
-    if debug:  # the package's INFO lines too; every command starts with its warnings (main)
-        configure_logging("info", debug=True)
+    # The package's warnings (with --debug its INFO lines too); `run` sets its own level and format.
+    configure_logging("info" if debug else "warning", debug=debug)
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -122,18 +151,21 @@ class CommandError(Exception):
         self.code = code
 
 
-def _classify(exc: BaseException, unreachable_hint: str = "") -> tuple[ExitCode, str]:
+def _classify(exc: BaseException, hints: dict[str | None, str] | None = None) -> tuple[ExitCode, str]:
     """The exit status and the one line for an exception that ended a command.
 
     Only lily errors are classified: the package maps its dependencies' errors at their
-    boundary (``_amqp.errors``, ``_mongo``); anything else is unexpected.
+    boundary (``_amqp.errors``, ``_mongo``); anything else is unexpected. ``hints`` is the
+    advice appended when nothing answered, by the party (``TransportError.service``; None
+    for RabbitMQ, whose errors do not name it there).
     """
     if isinstance(exc, CommandError):
         return exc.code, str(exc)
     if isinstance(exc, PublishError):
         return ExitCode.FAILED, f"{exc}; nothing was lost: the message stays where it was"
     if isinstance(exc, TransportError):
-        return ExitCode.UNAVAILABLE, f"{exc}{'; ' + unreachable_hint if exc.unreachable and unreachable_hint else ''}"
+        hint = (hints or {}).get(exc.service) if exc.unreachable else None
+        return ExitCode.UNAVAILABLE, f"{exc}; {hint}" if hint else str(exc)
     if isinstance(exc, ConfigError):  # PlanError included
         return ExitCode.USAGE, str(exc)
     if isinstance(exc, LilyError):
@@ -142,31 +174,43 @@ def _classify(exc: BaseException, unreachable_hint: str = "") -> tuple[ExitCode,
 
 
 @contextlib.contextmanager
-def _reported(ctx: typer.Context, *urls: str | None, unreachable: str = "") -> Iterator[None]:
+def _reported(
+    ctx: typer.Context, *urls: str | None, unreachable: str = "", hints: dict[str | None, str] | None = None
+) -> Iterator[None]:
     """End the command on any error with one line (and the traceback with --debug), passwords masked.
 
-    ``unreachable`` is the advice appended when nothing answered at a URL.
+    ``unreachable`` is the advice appended when nothing answered at a RabbitMQ URL; ``hints``
+    gives it by party (``{"MongoDB": ...}``, see :func:`_classify`).
     """
     try:
         yield
     except (typer.Exit, typer.Abort, typer.TyperException):
         raise
     except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+        _err("interrupted", level=logging.WARNING)
+        raise typer.Exit(ExitCode.INTERRUPTED) from None
     except Exception as exc:
-        code, message = _classify(exc, unreachable)
+        code, message = _classify(exc, {None: unreachable, **(hints or {})} if unreachable else hints)
         settings = ctx.find_object(_Settings)
+        trace = None
         if settings is not None and settings.debug:
-            _err("".join(traceback.format_exception(exc)).rstrip(), urls)
-        _err(f"error: {message}", urls)
+            trace = _scrubbed("".join(traceback.format_exception(exc)).rstrip(), urls)
+        _err(message, urls, level=logging.ERROR, traceback=trace)
         raise typer.Exit(code) from None
 
 
-def _err(text: str, urls: tuple[str | None, ...] = ()) -> None:
+def _scrubbed(text: str, urls: tuple[str | None, ...]) -> str:
     for url in urls:
         if url:
             text = scrub(text, url)
-    err_console.print(text, markup=False, highlight=False, soft_wrap=True)
+    return text
+
+
+def _err(
+    text: str, urls: tuple[str | None, ...] = (), *, level: int = logging.INFO, traceback: str | None = None
+) -> None:
+    """One of the command's own lines on stderr (an ``error:`` line at ERROR), passwords masked."""
+    say.log(level, "%s", _scrubbed(text, urls), extra={"traceback": traceback} if traceback else None)
 
 
 def _fail(code: ExitCode, message: str) -> NoReturn:
@@ -242,50 +286,204 @@ def run(
     target: Annotated[str, typer.Argument(help="module:consumer (a Consumer or a factory returning one)")],
     http_port: Annotated[
         int | None,
-        typer.Option("--http-port", min=1, max=65535, help="Serve /healthz, /readyz and /metrics on this port."),
+        typer.Option(
+            "--http-port", min=0, max=65535, help="Serve /healthz, /readyz and /metrics on this port (0: any free one)."
+        ),
     ] = None,
     http_host: Annotated[str, typer.Option("--http-host", help="Address for --http-port.")] = "127.0.0.1",
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
     log_format: Annotated[str, typer.Option("--log-format", help="text or json.")] = "text",
+    workers: Annotated[
+        int,
+        typer.Option(
+            "--workers", min=1, max=64, help="Run this many worker processes of the target (competing consumers)."
+        ),
+    ] = 1,
+    reload: Annotated[
+        bool, typer.Option("--reload", help="Restart gracefully when a .py file under the current directory changes.")
+    ] = False,
+    worker_index: Annotated[int | None, typer.Option("--worker-index", hidden=True)] = None,
+    worker_fd: Annotated[int | None, typer.Option("--worker-fd", hidden=True)] = None,
 ) -> None:
-    """Run a consumer until SIGTERM/SIGINT (graceful); a second signal forces. Prints the shutdown report.
+    """Run a consumer until SIGTERM/SIGINT (graceful); a second signal at least 1 s later forces. Prints the
+    shutdown report.
 
     Exit status: 0 after a graceful shutdown that succeeded, 1 after a failed or forced one, 2 on a bad
-    target or plan, 3 when RabbitMQ or MongoDB cannot be reached.
+    target or plan, 3 when RabbitMQ or MongoDB cannot be reached (or MongoDB has no transactions for the
+    inbox), 130 when a signal stopped it while it started. With --workers N: 0 only when every worker shut
+    down gracefully.
     """
     settings = ctx.find_object(_Settings)
+    debug = settings is not None and settings.debug
     try:
-        configure_logging(log_level, log_format, debug=settings is not None and settings.debug)
+        configure_logging(log_level, log_format, debug=debug, worker=worker_index)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    consumer: Consumer | None = None
+    as_json = log_format == "json"
+    if workers > 1 or reload:
+        from ._workers import WorkerOptions, supervise
 
-    async def main() -> int:
-        assert consumer is not None
+        options = WorkerOptions(
+            target=target,
+            workers=workers,
+            reload=reload,
+            http=(http_host, http_port) if http_port is not None else None,
+            log_level=log_level,
+            log_format=log_format,
+            debug=debug,
+        )
+        with _reported(ctx):
+            if not reload:  # one clear error for a bad target, before any worker starts
+                load_consumer(target)
+            code = asyncio.run(supervise(options))
+        raise typer.Exit(code)
+
+    consumer: Consumer | None = None
+    with _reported(ctx):
+        consumer = load_consumer(target)
+    hints: dict[str | None, str] = {None: "is it running? Check the consumer's amqp_url"}
+    with _reported(ctx, _consumer_urls(consumer), hints=hints):
+        link = _WorkerLink.open(worker_fd) if worker_fd is not None else None
+        code = asyncio.run(_run_consumer(consumer, http_host, http_port, as_json, link, worker_index))
+    raise typer.Exit(code)
+
+
+async def _run_consumer(
+    consumer: Consumer,
+    http_host: str,
+    http_port: int | None,
+    as_json: bool,
+    link: _WorkerLink | None,
+    worker_index: int | None,
+) -> int:
+    """Start, run until a signal, shut down, print the report; the exit status.
+
+    The signal policy is installed first, so a signal during the start (a slow MongoDB or
+    broker) stops it cleanly: the start is cancelled, what started is torn down.
+    """
+    settings = consumer.settings
+    managed: ManagedConsumer | None = None
+    starting: asyncio.Future[ManagedConsumer] | None = None
+
+    def graceful() -> None:
+        if managed is not None:
+            managed.request_shutdown()
+        elif starting is not None:
+            starting.cancel()
+
+    def force() -> None:
+        if managed is not None:
+            managed.request_force()
+
+    signals = ShutdownSignals(graceful, force, notice="stopping: the start is interrupted")
+    uninstall = signals.install()
+    watch: asyncio.Task[None] | None = None
+    try:
+        mongo = settings.mongo_client
+        where = f", MongoDB {describe_client(mongo)}" if mongo is not None else ""
+        queues = len(consumer.plan().queues)
+        say.info(
+            "starting %s (%d queue%s): RabbitMQ %s%s",
+            consumer.name,
+            queues,
+            "" if queues == 1 else "s",
+            redact_url(settings.amqp_url),
+            where,
+        )
         probes = await _start_probes(http_host, http_port) if http_port is not None else None
         try:
-            managed = await consumer.start()
+            if probes is not None and link is not None:
+                link.send({"event": "http", "port": probes.port})
+            if link is not None:
+                watch = asyncio.ensure_future(link.wait_closed(signals))
+            starting = asyncio.ensure_future(consumer.start())
+            try:
+                managed = await starting
+            except asyncio.CancelledError:
+                if starting.cancelled() and signals.received:
+                    say.warning("stopped while starting: nothing was left running")
+                    return ExitCode.INTERRUPTED
+                raise
+            signals.notice = graceful_notice(settings.graceful_timeout)
             if probes is not None:
                 probes.attach(managed)
-            uninstall = managed.install_signal_handlers()
-            err_console.print(f"[green]running[/] {consumer.name} ({len(managed.plan.queues)} queues); Ctrl-C to stop")
-            try:
-                report = await managed.wait()
-            finally:
-                uninstall()
+            if signals.received:  # a signal as the start completed
+                managed.request_shutdown()
+            if link is not None:
+                link.send({"event": "running"})
+            say.info("running %s; Ctrl-C or SIGTERM stops it gracefully", consumer.name)
+            report = await managed.wait()
         finally:
             if probes is not None:
                 await probes.stop()
-        console.print(report.render(), markup=False, highlight=False)
-        # Non-zero when anything is unresolved or unobserved, and when the graceful
-        # window did not suffice (a forced shutdown), so supervisors notice.
-        return ExitCode.OK if report.succeeded and not report.forced else ExitCode.FAILED
+    finally:
+        uninstall()
+        if watch is not None:
+            watch.cancel()
+    _print_report(report, as_json, worker_index)
+    # Non-zero when anything is unresolved or unobserved, and when the graceful
+    # window did not suffice (a forced shutdown), so supervisors notice.
+    return ExitCode.OK if report.graceful else ExitCode.FAILED
 
-    with _reported(ctx):
-        consumer = load_consumer(target)
-    with _reported(ctx, _consumer_urls(consumer), unreachable="is it running? Check the consumer's amqp_url"):
-        code = asyncio.run(main())
-    raise typer.Exit(code)
+
+def _print_report(report: ShutdownReport, as_json: bool, worker_index: int | None) -> None:
+    """The shutdown report: its text on stdout, or one JSON object on stderr with ``--log-format json``."""
+    if as_json:
+        fields = {
+            "succeeded": report.succeeded,
+            "forced": report.forced,
+            "graceful": report.graceful,
+            "unresolved": report.unresolved,
+            "settled": dict(report.settled),
+            "actions": [
+                {"name": a.name, "ok": a.ok, "observed": a.observed, "error": a.error, "duration": round(a.duration, 3)}
+                for a in report.actions
+            ],
+        }
+        first = report.render().splitlines()[0]
+        say.log(logging.INFO if report.graceful else logging.WARNING, "%s", first, extra={"report": fields})
+        return
+    text = report.render()
+    if worker_index is not None:
+        text = "\n".join(f"[worker {worker_index}] {line}" for line in text.splitlines())
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+class _WorkerLink:
+    """A ``--workers`` process's line to its supervisor: a socket it inherited (``--worker-fd``).
+
+    The worker reports on it (its probe port, that it runs); the supervisor's end closing
+    means the supervisor is gone, and the worker then shuts down gracefully.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    @classmethod
+    def open(cls, fd: int) -> _WorkerLink:
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as exc:
+            raise CommandError(ExitCode.USAGE, f"--worker-fd {fd} is not a socket: {exc}") from exc
+        sock.setblocking(False)
+        return cls(sock)
+
+    def send(self, message: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):  # the supervisor is gone: wait_closed says so
+            self._sock.send(json.dumps(message).encode() + b"\n")
+
+    async def wait_closed(self, signals: ShutdownSignals) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data = await loop.sock_recv(self._sock, 512)
+            except OSError:
+                data = b""
+            if not data:
+                break
+        if not signals.received:
+            say.warning("the worker supervisor is gone: shutting down")
+            signals.receive(signal.SIGTERM)  # as a SIGTERM would
 
 
 async def _start_probes(host: str, port: int) -> ProbeServer:
@@ -293,14 +491,13 @@ async def _start_probes(host: str, port: int) -> ProbeServer:
     try:
         from ._http import ProbeServer  # optional dependencies: imported only when asked for
     except ModuleNotFoundError as exc:
-        err_console.print(f"[red]error:[/] --http-port needs the 'http' extra: pip install 'lily-mongo[http]' ({exc})")
-        raise typer.Exit(2) from exc
+        _fail(ExitCode.USAGE, f"--http-port needs the 'http' extra: pip install 'lily-mongo[http]' ({exc})")
     probes = ProbeServer(host, port)
     try:
         await probes.start()
     except OSError as exc:
-        err_console.print(f"[red]error:[/] cannot listen on {host}:{port}: {exc.strerror}")
-        raise typer.Exit(2) from exc
+        await probes.stop()
+        _fail(ExitCode.USAGE, f"cannot listen on {host}:{port}: {bind_reason(exc, host)}")
     return probes
 
 
@@ -372,11 +569,33 @@ def demo(
     table.add_row("throughput", f"{result.throughput:.1f} messages/s over {result.elapsed:.1f} s")
     table.add_row("ledger check", "[green]PASS[/]" if result.ledger_ok else "[red]FAIL[/]")
     console.print(table)
+    console.print(_demo_legend(result), markup=False, highlight=False)
     for problem in result.ledger_problems:
         console.print(f"[red]ledger:[/] {problem}")
     if result.shutdown is not None and not result.shutdown.succeeded:
         console.print(result.shutdown.render())
     raise typer.Exit(ExitCode.OK if result.ledger_ok else ExitCode.FAILED)
+
+
+def _demo_legend(result: DemoResult) -> str:
+    """What the demo's counters mean: a few lines under its table."""
+    duplicates = result.published_messages - result.orders - result.poison
+    lines = [
+        f"published: {result.orders} orders once each, {duplicates} duplicate copies (same event id) and "
+        f"{result.poison} poison messages: {result.published_messages} messages",
+        "settled (the progress bar): orders applied + messages dead-lettered; duplicates and retry copies",
+        "  are not counted there",
+        "retried: a flaky payment's first attempt went to a retry bucket; its copy came back and was applied",
+        "deferred: requeued without spending a retry (a concurrent copy held the lease, a replay budget ran out)",
+        f"transient replays: attempts re-run after a transient error ({result.injected_failures} injected) or a "
+        "failed commit",
+    ]
+    if result.emulator:
+        lines.append(
+            "  on the embedded emulator most come from its global write conflicts: any write between a\n"
+            "  transaction's first operation and its commit fails that commit (docs/emulator.md)"
+        )
+    return "legend:\n" + "\n".join(f"  {line}" for line in "\n".join(lines).splitlines())
 
 
 # -- dlq ---------------------------------------------------------------------------------------------
@@ -392,7 +611,10 @@ _DLQ_COLUMNS: tuple[tuple[str, Callable[[Any], object]], ...] = (
 )
 
 
-def _print_listing(listing: DlqListing, as_json: bool) -> None:
+_WIDE_TABLE = 140  # below this width the DLQ listing is one block per message, not a table
+
+
+def _print_listing(listing: DlqListing, as_json: bool, wide: bool = False) -> None:
     summary = (
         f"{listing.dlq}: {listing.total} message(s), {len(listing.messages)} listed "
         "(each put back at the end of the queue)"
@@ -402,13 +624,27 @@ def _print_listing(listing: DlqListing, as_json: bool) -> None:
             sys.stdout.write(json.dumps(message.as_json()) + "\n")
         _err(summary)
         return
-    table = Table(title=summary, show_lines=False)
-    for name, _ in _DLQ_COLUMNS:
-        # Whole values: an event id is never cut; long cells fold onto more lines.
-        table.add_column(name, overflow="fold", min_width=36 if name == "event id" else None)
-    for message in listing.messages:
-        table.add_row(*(str(cell(message)) for _, cell in _DLQ_COLUMNS))
-    console.print(table)
+    if wide or console.width >= _WIDE_TABLE:
+        table = Table(title=summary, show_lines=False)
+        for name, _ in _DLQ_COLUMNS:
+            # Whole values: an event id is never cut; long cells fold onto more lines.
+            table.add_column(name, overflow="fold", min_width=36 if name == "event id" else None)
+        for message in listing.messages:
+            table.add_row(*(str(cell(message)) for _, cell in _DLQ_COLUMNS))
+        console.print(table)
+    else:
+        # A narrow terminal: a table of seven columns would squeeze every cell, so each message is
+        # a block whose lines wrap at the terminal's width (--wide forces the table, --json is whole).
+        console.print(summary, markup=False, highlight=False)
+        for message in listing.messages:
+            retries = "-" if message.retry_count is None else message.retry_count
+            console.print(
+                f"\n{message.event_id or '-'}  {message.origin}  {message.display_code()}\n"
+                f"  failed at {message.failed_at or '-'}, retries {retries}, {message.bytes} bytes\n"
+                f"  reason: {message.reason or '-'}",
+                markup=False,
+                highlight=False,
+            )
     if any(m.malformed for m in listing.messages):
         _err("some messages' metadata was not valid UTF-8 and is shown as read leniently (--json: 'malformed')")
 
@@ -420,6 +656,9 @@ def dlq_list(
     amqp_url: AmqpOption = DEFAULT_AMQP_URL,
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="List at most this many messages.")] = 100,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per message and line.")] = False,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="A table whatever the terminal's width (else below 140 columns, blocks).")
+    ] = False,
 ) -> None:
     """List dead-lettered messages, oldest first, leaving them in the DLQ (moved to its end).
 
@@ -429,7 +668,7 @@ def dlq_list(
     """
     with _reported(ctx, amqp_url, unreachable=_AMQP_HINT):
         listing = asyncio.run(list_dead_letters(amqp_url, queue, limit=limit))
-    _print_listing(listing, as_json)
+    _print_listing(listing, as_json, wide)
 
 
 @dlq_app.command("replay", epilog=EXIT_CODES)
@@ -499,25 +738,119 @@ def inbox_stats(
         client = await open_mongo(mongo_uri, timeout=timeout)
         try:
             with mongo_errors("reading the inbox statistics", uri=mongo_uri):
+                present = set(await client[database].list_collection_names())
+                if records not in present and outbox not in present:
+                    _fail(
+                        ExitCode.USAGE,
+                        f"database {database!r} has neither a {records!r} nor an {outbox!r} collection: is it the "
+                        "consumer's database? (a consumer with a mongo_client creates them when it starts)",
+                    )
                 return await inbox_records.inbox_stats(client[database], options)
         finally:
             await client.close()
 
-    with _reported(ctx, mongo_uri, unreachable="is it running? Check --mongo-uri (or LILY_MONGO_URI)"):
+    with _reported(ctx, mongo_uri, hints={MONGODB: _MONGO_HINT}):
         stats = asyncio.run(main())
     if as_json:
         sys.stdout.write(json.dumps(stats, indent=2, sort_keys=True) + "\n")
         return
     table = Table(title=f"inbox statistics: {database}")
-    table.add_column("handler", overflow="fold")
+    table.add_column("handler", overflow="fold", ratio=1)
     for column in inbox_records.STAT_COLUMNS:
-        table.add_column(column, justify="right")
+        # Two-line headers ("outbox" over "published") keep the table within 80 columns.
+        table.add_column(column.replace("_", "\n"), justify="right", no_wrap=True)
     for handler, values in sorted(stats.items()):
         table.add_row(handler, *(str(values[c]) for c in inbox_records.STAT_COLUMNS))
+    if not stats:
+        console.print(f"inbox statistics: {database}: no records and no outbox records yet")
+        return
     console.print(table)
 
 
+# -- embedded --------------------------------------------------------------------------------------
+
+
+@app.command(epilog=EXIT_CODES)
+def embedded(
+    ctx: typer.Context,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free one).")] = 27017,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            help="Keep the data in this directory between runs (mongoeco's SQLite engine: one transaction at a time)."
+        ),
+    ] = None,
+) -> None:
+    """Run the embedded MongoDB-wire server (mongoeco) for developing your own service, until SIGTERM or Ctrl-C.
+
+    Prints the URI to use on stdout. In memory by default: its data is gone when it stops.
+    It emulates MongoDB (sessions, transactions, TTL indexes); docs/emulator.md lists where it differs.
+    """
+    from .embedded import DATA_FILE, available, serve
+
+    with _reported(ctx):
+        if not available():
+            _fail(ExitCode.USAGE, "the embedded server needs the 'embedded' extra: pip install 'lily-mongo[embedded]'")
+        if data is not None:
+            try:
+                data.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                _fail(ExitCode.USAGE, f"--data {data}: cannot use it as a directory ({exc.strerror or exc})")
+
+        def announce(uri: str) -> None:
+            bound = uri.split("://", 1)[1].split("/", 1)[0]  # host:port as it listens
+            plain = f"mongodb://{bound}/"
+            sys.stdout.write(plain + "\n")
+            sys.stdout.flush()
+            if data is None:
+                kept = "in memory: its data is gone when it stops (--data DIR keeps it)"
+            else:
+                kept = (
+                    f"data kept in {data / DATA_FILE} (mongoeco's SQLite engine runs one transaction at a time: "
+                    "a second concurrent one fails, so give your consumer's queues concurrency=1)"
+                )
+            say.info(
+                "embedded MongoDB (mongoeco, an emulator: see docs/emulator.md) listening at %s, %s; "
+                "point your service's AsyncMongoClient (or LILY_MONGO_URI) at it. Ctrl-C or SIGTERM stops it",
+                plain,
+                kept,
+            )
+
+        async def main() -> None:
+            stop = asyncio.Event()
+            uninstall = ShutdownSignals(stop.set, stop.set, notice="stopping the embedded MongoDB").install()
+            try:
+                await serve(host, port, stop=stop, data=data, announce=announce)
+            except OSError as exc:
+                _fail(ExitCode.USAGE, f"cannot listen on {host}:{port}: {bind_reason(exc, host)}")
+            finally:
+                uninstall()
+
+        asyncio.run(main())
+
+
 def main() -> None:
-    """Console-script entry point: the package's warnings on stderr, one per line, then the command."""
+    """Console-script entry point: the package's warnings on stderr, one per line, then the command.
+
+    A usage error (an unknown option, a missing argument, a value out of range) is one
+    ``error:`` line naming the command's ``--help``, with exit status 2.
+    """
     configure_logging()
-    app()
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(prog_name="lily-mongo", standalone_mode=False)
+    except typer.TyperException as exc:  # typer's own click: UsageError and the others derive from it
+        context = getattr(exc, "ctx", None)
+        if not exc.format_message().strip():
+            pass  # a command given no arguments: its help is what was asked for, and is printed already
+        elif exc.exit_code == ExitCode.USAGE:
+            where = context.command_path if context is not None else "lily-mongo"
+            _err(f"{exc.format_message()} (see {where} --help)", level=logging.ERROR)
+        else:
+            _err(exc.format_message(), level=logging.ERROR)
+        code = exc.exit_code
+    except typer.Abort:
+        _err("interrupted", level=logging.WARNING)
+        code = ExitCode.INTERRUPTED
+    raise SystemExit(code if isinstance(code, int) else ExitCode.OK)

@@ -156,6 +156,12 @@ class DemoResult:
     ledger_problems: list[str]
     confirmed_events: int
     shutdown: ShutdownReport | None
+    poison: int = 0
+    """Poison messages among ``published_messages`` (no envelope, broken JSON, an unknown version, ...)."""
+    injected_failures: int = 0
+    """Transient database failures injected with a failpoint (0 where the server refused it)."""
+    emulator: bool = False
+    """The server was the embedded emulator (mongoeco), whose write conflicts are global."""
 
     @property
     def throughput(self) -> float:
@@ -312,6 +318,9 @@ async def _run_demo(
             await channel.declare_queue(confirmed_queue, durable=True)
             consumer = build_consumer(amqp_url, client, database, work_queue, confirmed_queue)
             managed = await consumer.start()
+            hello = await client.admin.command("hello")
+            emulator = hello.get("gitVersion") == "mongoeco"  # how the embedded server names itself
+            injected = 0
             if transient_failures:
                 # A production server without test commands refuses this: then no injected failures.
                 with contextlib.suppress(PyMongoError):
@@ -326,6 +335,7 @@ async def _run_demo(
                             },
                         }
                     )
+                    injected = transient_failures
             started = time.monotonic()
             sent = await _publish_workload(amqp_url, work_queue, workload, rng)
             expected_dlq = workload.poison + workload.invalid
@@ -374,6 +384,9 @@ async def _run_demo(
                 ledger_problems=problems,
                 confirmed_events=confirmed_events,
                 shutdown=report,
+                poison=workload.poison,
+                injected_failures=injected,
+                emulator=emulator,
             )
         finally:
             if managed is not None:

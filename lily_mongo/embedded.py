@@ -16,6 +16,9 @@ line on the ``lily_mongo`` logger says so (docs/emulator.md).
 
 Run as ``python -m lily_mongo.embedded [--host H] [--port P]``; it prints
 ``READY <uri>`` on stdout once it accepts connections and stops on SIGTERM/SIGINT.
+``lily-mongo embedded`` runs the same server for developing your own service:
+on port 27017 by default, in memory, or with ``--data DIR`` in mongoeco's SQLite
+engine (kept between runs, but one transaction at a time: docs/emulator.md).
 """
 
 from __future__ import annotations
@@ -27,16 +30,20 @@ import logging
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Final
 
 from ._versions import VersionRange, installed_version
 
-__all__ = ["TESTED_MONGOECO", "EmbeddedServer", "available", "main", "serve"]
+__all__ = ["DATA_FILE", "DEFAULT_PORT", "TESTED_MONGOECO", "EmbeddedServer", "available", "main", "serve"]
 
 log = logging.getLogger("lily_mongo")
 
 # The mongoeco versions the suite runs on (uv.lock), up to the next minor release.
 TESTED_MONGOECO: Final = VersionRange("mongoeco", (4, 11, 0), (4, 12))
+DEFAULT_PORT: Final = 27017  # `lily-mongo embedded`: where a mongod would listen, so URIs need no change
+DATA_FILE: Final = "lily-embedded.sqlite3"  # the database file `--data DIR` keeps
 
 
 def available() -> bool:
@@ -129,16 +136,36 @@ def _patch_commit_failpoints() -> bool:
     return True
 
 
+def _ready_line(uri: str) -> None:
+    print(f"READY {uri}", flush=True)
+
+
 async def serve(
-    host: str = "127.0.0.1", port: int = 0, *, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+    data: Path | None = None,
+    announce: Callable[[str], None] = _ready_line,
 ) -> None:
-    """Serve until ``stop`` is set (or forever); print ``READY <uri>`` once listening."""
+    """Serve until ``stop`` is set (or forever); ``announce(uri)`` once listening (``READY <uri>`` on stdout).
+
+    In memory, or with ``data`` (an existing directory) in mongoeco's SQLite engine, whose file
+    (:data:`DATA_FILE`) keeps the data between runs. Raises OSError when the address is
+    taken or not this machine's.
+    """
     from mongoeco.wire import AsyncMongoEcoProxyServer
 
     _patch_commit_failpoints()
     stop = stop or asyncio.Event()
-    async with AsyncMongoEcoProxyServer(host=host, port=port) as server:
-        print(f"READY {server.address.uri}", flush=True)
+    engine = None
+    if data is not None:
+        from mongoeco.engines.sqlite import SQLiteEngine
+
+        engine = SQLiteEngine(str(data / DATA_FILE))
+    async with AsyncMongoEcoProxyServer(host=host, port=port, engine=engine) as server:
+        announce(server.address.uri)
         if ready is not None:
             ready.set()
         await stop.wait()

@@ -107,12 +107,14 @@ class TransportError(LilyError):
 
     ``unreachable`` is true when nothing answered at the address (refused, unknown
     host, timed out), as opposed to a server that answered and refused (a login,
-    a virtual host) or an operation that failed.
+    a virtual host) or an operation that failed. ``service`` names the party when
+    the error says which (``"MongoDB"`` for every MongoDB error), else None.
     """
 
-    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+    def __init__(self, message: str, *, unreachable: bool = False, service: str | None = None) -> None:
         super().__init__(message)
         self.unreachable = unreachable
+        self.service = service
 
 
 class PublishError(TransportError):

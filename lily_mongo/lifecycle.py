@@ -22,7 +22,6 @@ import collections
 import contextlib
 import enum
 import logging
-import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -34,7 +33,9 @@ from pymongo import AsyncMongoClient
 
 from ._amqp import channel_errors, connect_amqp
 from ._checks import check_amqp_url, check_bool, check_seconds
+from ._mongo import check_mongo
 from ._redact import redact_url
+from ._signals import ShutdownSignals, graceful_notice
 from ._tasks import TaskSet, raise_if_cancel_requested
 from ._tasks import uncancellable as _uncancellable
 from ._text import describe_value
@@ -100,13 +101,20 @@ class ShutdownAction:
 @dataclass(frozen=True, slots=True)
 class ShutdownReport:
     """What shutdown did. ``succeeded`` only if every step returned OK, every
-    termination was observed and no delivery was left unresolved."""
+    termination was observed and no delivery was left unresolved; ``forced`` when the
+    graceful window did not settle every delivery; :attr:`graceful` when both went well."""
 
     actions: tuple[ShutdownAction, ...]
     settled: Mapping[str, int]
     unresolved: int
     forced: bool
     succeeded: bool
+
+    @property
+    def graceful(self) -> bool:
+        """True when the shutdown succeeded within the graceful window, without forcing: the one outcome
+        ``lily-mongo run`` exits 0 after."""
+        return self.succeeded and not self.forced
 
     def action(self, name: str) -> ShutdownAction:
         """The action called ``name`` (KeyError if the shutdown did not run it)."""
@@ -117,10 +125,13 @@ class ShutdownReport:
 
     def render(self) -> str:
         """A human-readable multi-line summary (no endpoints, no credentials)."""
-        lines = [
-            f"shutdown {'succeeded' if self.succeeded else 'FAILED'}"
-            f"{' (forced)' if self.forced else ''}; unresolved deliveries: {self.unresolved}"
-        ]
+        if self.graceful:
+            status = "succeeded"
+        elif self.succeeded:  # forced, yet everything settled (after the force notice)
+            status = "FORCED"
+        else:
+            status = "FAILED (forced)" if self.forced else "FAILED"
+        lines = [f"shutdown {status}; unresolved deliveries: {self.unresolved}"]
         for a in self.actions:
             status = ("ok" if a.ok else "error") + (", terminated" if a.observed else ", termination NOT observed")
             lines.append(f"  {a.name:<18} {status} ({a.duration:.3f} s){': ' + a.error if a.error else ''}")
@@ -204,6 +215,8 @@ class Consumer:
     entered before ``start()`` connects and exited after the shutdown drained and the
     relay stopped; the mapping it yields is what handlers and factories ask for with
     ``Resource(name)`` (docs/handlers.md).
+    ``mongo_check_timeout``: how long :meth:`start` waits for the MongoDB server to answer
+    before it fails, in one line (docs/lifecycle.md, section 2).
     """
 
     def __init__(
@@ -220,6 +233,7 @@ class Consumer:
         owns_mongo_client: bool = False,
         telemetry: bool | Telemetry = True,
         lifespan: Lifespan | None = None,
+        mongo_check_timeout: float = 10.0,
     ) -> None:
         check_amqp_url("amqp_url", amqp_url)
         if lifespan is not None and not callable(lifespan):
@@ -228,7 +242,11 @@ class Consumer:
                 f"(an @asynccontextmanager function), got {describe_value(lifespan)}"
             )
         if mongo_client is not None and not isinstance(mongo_client, AsyncMongoClient):
-            raise ConfigError(f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}")
+            motor = type(mongo_client).__module__.split(".")[0] == "motor"
+            hint = "; Motor gave way to PyMongo's own async API: see docs/migrating.md, 'From Motor'" if motor else ""
+            raise ConfigError(
+                f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}{hint}"
+            )
         if mongo_client is None:
             given_without = (("database", database), ("inbox", inbox), ("owns_mongo_client", owns_mongo_client))
             for field_name, given in given_without:
@@ -251,6 +269,9 @@ class Consumer:
             owns_mongo_client=owns_mongo_client,
             telemetry=resolve_telemetry(telemetry),
             lifespan=lifespan,
+            mongo_check_timeout=check_seconds(
+                "mongo_check_timeout", mongo_check_timeout, low=0, high=600, low_inclusive=False
+            ),
         )
         self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
         self._outgoing: list[OutgoingMessage] = []
@@ -435,9 +456,21 @@ class ManagedConsumer:
         return self._settings.telemetry
 
     async def _start(self) -> None:
-        # The lifespan first: its resources exist before anything connects, and a Resource
+        settings = self._settings
+        if settings.mongo_client is not None:
+            assert settings.database is not None
+            # Before anything else: an unreachable MongoDB, a refused login or a server without
+            # transactions fails the start in one line within the check's timeout.
+            await check_mongo(
+                settings.mongo_client,
+                database=settings.database,
+                collection=settings.inbox.records,
+                timeout=settings.mongo_check_timeout,
+                transactions=any(handler.guarantee == "inbox" for handler in self.plan.handlers),
+            )
+        # Then the lifespan: its resources exist before anything connects, and a Resource
         # name it does not provide fails the start here (docs/handlers.md, resources).
-        resources = await enter_lifespan(self._settings.lifespan, self._consumer, self.plan, self._lifespan)
+        resources = await enter_lifespan(settings.lifespan, self._consumer, self.plan, self._lifespan)
         self._connection = await connect_amqp(self._settings.amqp_url)
         for options in self.plan.queues.values():
             await declare_topology(self._connection, options)  # checks for a cancel between declarations
@@ -506,23 +539,12 @@ class ManagedConsumer:
         self._force_requested.set()
 
     def install_signal_handlers(self, loop: asyncio.AbstractEventLoop | None = None) -> Callable[[], None]:
-        """SIGTERM/SIGINT: first → graceful shutdown, second → force. Returns an uninstaller."""
-        loop = loop or asyncio.get_running_loop()
-
-        def on_signal() -> None:
-            if self._stop_requested.is_set():
-                self.request_force()
-            else:
-                self.request_shutdown()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
-
-        def uninstall() -> None:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-
-        return uninstall
+        """SIGTERM/SIGINT: the first → graceful shutdown; one at least 1 s later → force (a burst counts
+        once, docs/lifecycle.md section 8). Returns an uninstaller."""
+        signals = ShutdownSignals(
+            self.request_shutdown, self.request_force, notice=graceful_notice(self._graceful_timeout)
+        )
+        return signals.install(loop)
 
     def snapshot(self) -> Snapshot:
         """Bounded aggregate state: counts only, never payloads, ids, names or endpoints."""

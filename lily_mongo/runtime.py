@@ -227,14 +227,14 @@ class _Effects:
             qr.counters.handoff_failures += 1
             event_id = delivery.envelope.event_id if delivery.envelope else delivery.event_id
             log.warning(
-                "handoff to %s failed: %s (queue=%s handler=%s event_id=%s outcome=%s code=%s)",
+                "handoff to %s failed: %s (queue=%s handler=%s event_id=%s outcome=%s%s)",
                 "the DLQ" if to_dlq else "a retry bucket",
                 exc.kind,
                 qr.options.name,
                 delivery.handler_id,
                 event_id,
                 "handoff_failed",
-                step.code,
+                f" code={step.code}" if step.code is not None else "",
                 extra=_log_fields(qr.options.name, delivery.handler_id, event_id, "handoff_failed", step.code),
             )
             qr.handoff_failures.bump(delivery.failure_key)
@@ -732,6 +732,7 @@ class Runtime:
             reason = execution.result.reason
         event_id = delivery.envelope.event_id if delivery.envelope else delivery.event_id
         code = (step.code if step is not None else None) or execution.result.code
+        duration = time.monotonic() - delivery.started
         self.observations.record(
             queue=qr.options.name,
             handler_id=delivery.handler_id,
@@ -746,13 +747,13 @@ class Runtime:
             transient_replays=execution.transient_replays,
             reconciliations=execution.reconciliations,
             received_at=delivery.received_at,
-            duration=time.monotonic() - delivery.started,
+            duration=duration,
         )
         delivery.trace.finish(delivery.handler_id, event_id, terminal, code, execution)
         if execution.result.exception is not None:  # before the delivery's own line: the cause, then the outcome
             self._report_failure(delivery, execution, terminal, event_id)
         if terminal != _ACKED or log.isEnabledFor(logging.DEBUG):
-            _log_terminal(qr.options.name, delivery.handler_id, event_id, terminal, code)
+            _log_terminal(qr.options.name, delivery.handler_id, event_id, terminal, code, duration)
 
     def _report_failure(self, delivery: _Delivery, execution: Execution, terminal: str, event_id: Any) -> None:
         """What the handler raised, to the failure log (docs/handlers.md, section 5)."""
@@ -819,31 +820,42 @@ class Runtime:
         return tuple(qr.snapshot() for qr in self.queues.values())
 
 
-def _log_fields(queue: str, handler_id: str | None, event_id: object, outcome: str, code: str | None) -> dict[str, Any]:
-    """The structured fields of a delivery's log line (read by JSON formatters); never payloads."""
-    return {
+def _log_fields(
+    queue: str, handler_id: str | None, event_id: object, outcome: str, code: str | None, duration: float | None = None
+) -> dict[str, Any]:
+    """The structured fields of a delivery's log line (read by JSON formatters); never payloads.
+
+    ``code`` and ``duration_ms`` only when there is one (docs/observability.md, section 3).
+    """
+    fields: dict[str, Any] = {
         "queue": queue,
         "handler": handler_id,
         "event_id": str(event_id) if event_id is not None else None,
         "outcome": outcome,
-        "code": code,
     }
+    if code is not None:
+        fields["code"] = code
+    if duration is not None:
+        fields["duration_ms"] = round(duration * 1000, 3)
+    return fields
 
 
-def _log_terminal(queue: str, handler_id: str | None, event_id: object, outcome: str, code: str | None) -> None:
-    """One line per delivery: WARNING for dead letters and unresolved outcomes, DEBUG for the rest."""
+def _log_terminal(
+    queue: str, handler_id: str | None, event_id: object, outcome: str, code: str | None, duration: float
+) -> None:
+    """One line per delivery: WARNING for dead letters and unresolved outcomes, DEBUG for the rest.
+
+    ``duration`` is receipt to terminal outcome, in seconds (the line says milliseconds).
+    """
     level = logging.WARNING if outcome in _WARNED else logging.DEBUG
     if log.isEnabledFor(level):
-        log.log(
-            level,
-            "delivery %s: queue=%s handler=%s event_id=%s code=%s",
-            outcome,
-            queue,
-            handler_id,
-            event_id,
-            code,
-            extra=_log_fields(queue, handler_id, event_id, outcome, code),
-        )
+        extra = _log_fields(queue, handler_id, event_id, outcome, code, duration)
+        if code is None:
+            message = "delivery %s: queue=%s handler=%s event_id=%s duration_ms=%.3f"
+            log.log(level, message, outcome, queue, handler_id, event_id, extra["duration_ms"], extra=extra)
+        else:
+            message = "delivery %s: queue=%s handler=%s event_id=%s code=%s duration_ms=%.3f"
+            log.log(level, message, outcome, queue, handler_id, event_id, code, extra["duration_ms"], extra=extra)
 
 
 def _channel_alive(message: Received) -> bool:

@@ -105,6 +105,7 @@ EXTRA_MODULES = {
     "opentelemetry-api": "opentelemetry",
     "aiohttp": "aiohttp",
     "prometheus-client": "prometheus_client",
+    "watchfiles": "watchfiles",
 }
 LOCAL = ("lily_mongo", "tests")
 

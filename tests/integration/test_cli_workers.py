@@ -1,0 +1,218 @@
+"""``lily-mongo run --workers N`` and ``--reload``, run as real subprocesses (docs/deployment.md, section 2).
+
+The service's handler writes its process id with every event it handles, so
+the test sees which worker handled what: two workers are two processes
+competing for one queue; SIGTERM to the supervisor drains both and exits 0; a
+worker killed with SIGKILL is started again and consumes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import textwrap
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from tests.integration.test_cli import cli_env, start_cli
+from tests.integration.test_cli_http import free_port, get
+from tests.support import Broker, consumer_count, eventually
+
+SERVICE = """
+    import asyncio
+    import os
+    import pathlib
+
+    from lily_mongo import Consumer, EventId, Json, RetryPolicy, queue
+
+    LOG = pathlib.Path({log!r})
+
+
+    @queue({q!r}, version=1, content="json", guarantee="at_least_once")
+    async def handle(payload: Json[dict[str, object]], event_id: EventId) -> None:
+        await asyncio.sleep(float(payload.get("sleep", 0.05)))
+        with LOG.open("a") as out:
+            out.write(f"{{os.getpid()}} {{event_id}}\\n")
+
+
+    consumer = Consumer(amqp_url=os.environ["LILY_AMQP_URL"], name="workersvc", graceful_timeout=20.0)
+    consumer.configure_queue({q!r}, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=0, delays=()))
+    consumer.include(handle)
+"""
+
+
+@dataclass
+class Supervised:
+    """The supervisor process, what it wrote on stderr so far, and what the handlers logged."""
+
+    process: asyncio.subprocess.Process
+    log: Path
+    stderr: list[str] = field(default_factory=list)
+
+    def handled(self) -> dict[str, int]:
+        """Event id -> the process id that handled it."""
+        lines = self.log.read_text().splitlines() if self.log.exists() else []
+        return {event: int(pid) for pid, event in (line.split() for line in lines)}
+
+    def started(self) -> dict[int, list[int]]:
+        """Worker index -> the process ids it was started with, in order (from the supervisor's lines)."""
+        found: dict[int, list[int]] = {}
+        for line in self.stderr:
+            match = re.search(r"^worker (\d+) started \(pid (\d+)\)", line)
+            if match:
+                found.setdefault(int(match[1]), []).append(int(match[2]))
+        return found
+
+
+@contextlib.asynccontextmanager
+async def supervised(broker: Broker, tmp_path: Path, q: str, *args: str) -> AsyncIterator[Supervised]:
+    log = tmp_path / "handled.log"
+    (tmp_path / "workersvc.py").write_text(textwrap.dedent(SERVICE.format(q=q, log=str(log))))
+    env = cli_env(broker.url, "mongodb://127.0.0.1:1/")
+    process = await start_cli("run", "workersvc:consumer", *args, env=env, cwd=tmp_path)
+    running = Supervised(process, log)
+
+    async def read() -> None:
+        assert process.stderr is not None
+        async for line in process.stderr:
+            running.stderr.append(line.decode())
+
+    reader = asyncio.ensure_future(read())
+    try:
+        yield running
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            for pids in running.started().values():
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)  # a worker the test left running
+        reader.cancel()
+
+
+async def consumers(broker: Broker, q: str, count: int, service: Supervised, timeout: float = 30.0) -> None:
+    async def attached() -> bool:
+        if service.process.returncode is not None:
+            raise AssertionError(f"the supervisor exited {service.process.returncode}:\n{''.join(service.stderr)}")
+        return await consumer_count(broker.connection, q) == count
+
+    await eventually(attached, timeout=timeout, what=f"{count} consumers on {q}", interval=0.1)
+
+
+async def stop(service: Supervised) -> tuple[int, str, str]:
+    service.process.send_signal(signal.SIGTERM)
+    assert service.process.stdout is not None
+    stdout = await asyncio.wait_for(service.process.stdout.read(), 40)
+    code = await asyncio.wait_for(service.process.wait(), 10)
+    await asyncio.sleep(0.1)  # the reader's last lines
+    return code, stdout.decode(), "".join(service.stderr)
+
+
+async def test_two_workers_compete_drain_on_sigterm_and_a_killed_one_is_restarted(
+    broker: Broker, tmp_path: Path
+) -> None:
+    q = broker.queue("workers")
+    async with supervised(broker, tmp_path, q, "--workers", "2") as service:
+        await consumers(broker, q, 2, service)
+        events = [await broker.publish(q, {"n": n}) for n in range(20)]
+        await eventually(lambda: len(service.handled()) == 20, timeout=30, what="20 events handled", interval=0.1)
+        first = service.started()
+        pids = set(service.handled().values())
+        assert pids == {first[1][0], first[2][0]}, (pids, first)  # two processes, both the workers
+        assert service.process.pid not in pids
+
+        os.kill(first[1][0], signal.SIGKILL)
+        await eventually(lambda: len(service.started().get(1, [])) == 2, timeout=30, what="worker 1 restarted")
+        await consumers(broker, q, 2, service)
+        restarted = service.started()[1][1]
+        assert restarted != first[1][0]
+        more = [await broker.publish(q, {"n": n}) for n in range(20, 40)]
+        await eventually(lambda: len(service.handled()) == 40, timeout=30, what="40 events handled", interval=0.1)
+        assert restarted in {service.handled()[str(e)] for e in more}
+
+        slow = await broker.publish(q, {"sleep": 2})  # in flight at SIGTERM: drained, not forced
+        await asyncio.sleep(0.5)
+        code, stdout, stderr = await stop(service)
+    assert code == 0, stderr + stdout
+    assert stdout.count("shutdown succeeded; unresolved deliveries: 0") == 2, stdout
+    assert "[worker 1] shutdown succeeded" in stdout
+    assert "[worker 2] shutdown succeeded" in stdout
+    assert "exited with status -9; restarting it in" in stderr
+    assert "workers stopped: 1: exit 0, 2: exit 0" in stderr
+    assert str(slow) in service.handled()
+    assert {str(e) for e in events + more} <= set(service.handled())
+    assert await broker.wait_for_depth(q, 0) == 0
+
+
+async def test_workers_serve_readiness_and_metrics_for_all_of_them(broker: Broker, tmp_path: Path) -> None:
+    q = broker.queue("workershttp")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    args = ("--workers", "2", "--http-port", str(port))
+    async with supervised(broker, tmp_path, q, *args) as service, aiohttp.ClientSession() as session:
+        await eventually(lambda: get(session, f"{base}/healthz"), timeout=30, what="the probes", interval=0.1)
+        await consumers(broker, q, 2, service)
+
+        async def ready() -> bool:
+            answer = await get(session, f"{base}/readyz")
+            return answer is not None and answer[0] == 200
+
+        await eventually(ready, timeout=20, what="/readyz 200 with both workers", interval=0.1)
+        await broker.publish(q, {"n": 1})
+        await eventually(lambda: len(service.handled()) == 1, timeout=20, what="one event handled", interval=0.1)
+
+        async def counted() -> bool:
+            answer = await get(session, f"{base}/metrics")
+            return answer is not None and 'outcome="acked"' in answer[1]
+
+        await eventually(counted, timeout=10, what="the acked delivery in /metrics", interval=0.1)
+        answer = await get(session, f"{base}/metrics")
+        assert answer is not None
+        text = answer[1]
+        assert "lily_workers 2.0" in text
+        assert 'lily_ready{worker="1"} 1.0' in text
+        assert 'lily_ready{worker="2"} 1.0' in text
+        acked = re.findall(rf'lily_deliveries_total{{outcome="acked",queue="{q}",worker="(\d)"}} (\S+)', text)
+        assert sum(float(value) for _, value in acked) == 1.0, text
+
+        worker = service.started()[2][0]
+        os.kill(worker, signal.SIGSTOP)  # a worker that stops answering: not ready
+        try:
+            answer = await get(session, f"{base}/readyz")
+            assert answer is not None
+            assert answer[0] == 503, answer
+            assert "worker 2" in answer[1]
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        await eventually(ready, timeout=20, what="/readyz 200 again", interval=0.1)
+        code, stdout, stderr = await stop(service)
+    assert code == 0, stderr + stdout
+
+
+async def test_reload_restarts_the_worker_gracefully_when_a_source_file_changes(broker: Broker, tmp_path: Path) -> None:
+    q = broker.queue("reload")
+    async with supervised(broker, tmp_path, q, "--reload") as service:
+        await consumers(broker, q, 1, service)
+        (first,) = service.started()[1]
+        await asyncio.sleep(0.5)  # the watcher is up
+        source = tmp_path / "workersvc.py"
+        source.write_text(source.read_text() + "\n# changed\n")
+        await eventually(lambda: len(service.started()[1]) == 2, timeout=30, what="the worker restarted")
+        await consumers(broker, q, 1, service)
+        second = service.started()[1][1]
+        assert second != first
+        event = await broker.publish(q, {"n": 1})
+        await eventually(lambda: str(event) in service.handled(), timeout=20, what="the event", interval=0.1)
+        assert service.handled()[str(event)] == second
+        code, stdout, stderr = await stop(service)
+    assert code == 0, stderr + stdout
+    assert "changed: workersvc.py; restarting the workers gracefully" in stderr
+    # The first worker shut down gracefully too (its report), then the second.
+    assert stdout.count("shutdown succeeded; unresolved deliveries: 0") == 2, stdout
