@@ -69,10 +69,10 @@ class FailureLog:
     ) -> None:
         """One failed delivery: ``exc`` is what its last attempt raised."""
         handler = handler_id or "-"
-        where = (
-            f"queue={queue} handler={handler} event_id={event_id} attempt={attempt} "
-            f"retry_count={retry_count} outcome={outcome} code={code}"
-        )
+        where = f"queue={queue} handler={handler} event_id={event_id} attempt={attempt}"
+        if retry_count is not None:
+            where += f" retry_count={retry_count}"
+        where += f" outcome={outcome}" + (f" code={code}" if code is not None else "")
         fields: dict[str, Any] = {
             "queue": queue,
             "handler": handler_id,
