@@ -46,6 +46,7 @@ from .dlq import DlqListing, list_dead_letters, replay_dead_letters
 from .errors import ConfigError, LilyError, PublishError, TransportError
 from .inbox import InboxOptions
 from .lifecycle import Consumer
+from .outbox import OutboxOptions
 from .plan import routes_of
 
 if TYPE_CHECKING:
@@ -486,20 +487,21 @@ def inbox_stats(
     database: Annotated[str, typer.Argument(help="The consumer's database.")],
     mongo_uri: MongoOption = DEFAULT_MONGO_URI,
     records: Annotated[str, typer.Option(help="The inbox record collection (InboxOptions.records).")] = "lily_inbox",
-    outbox: Annotated[str, typer.Option(help="The outbox collection (InboxOptions.outbox).")] = "lily_outbox",
+    outbox: Annotated[str, typer.Option(help="The outbox collection (OutboxOptions.collection).")] = "lily_outbox",
     timeout: Annotated[
         float, typer.Option(min=0.1, max=600, help="Seconds to wait for a MongoDB server to answer.")
     ] = 10.0,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Completed records, live and expired leases, outbox pending/published/failed, per handler."""
-    options = InboxOptions(records=records, outbox=outbox)
+    options = InboxOptions(records=records)
+    outbox_options = OutboxOptions(collection=outbox)
 
     async def main() -> dict[str, dict[str, int]]:
         client = await open_mongo(mongo_uri, timeout=timeout)
         try:
             with mongo_errors("reading the inbox statistics", uri=mongo_uri):
-                return await inbox_records.inbox_stats(client[database], options)
+                return await inbox_records.inbox_stats(client[database], options, outbox=outbox_options.collection)
         finally:
             await client.close()
 

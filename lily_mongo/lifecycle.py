@@ -21,7 +21,6 @@ import asyncio
 import collections
 import enum
 import logging
-import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -32,16 +31,17 @@ import aio_pika.abc
 from pymongo import AsyncMongoClient
 
 from ._amqp import channel_errors, connect_amqp
-from ._checks import check_amqp_url, check_bool, check_seconds
+from ._checks import check_amqp_url, check_bool, check_database_name, check_seconds
 from ._redact import redact_url
+from ._signals import install_signal_handlers
 from ._tasks import TaskSet, raise_if_cancel_requested
 from ._tasks import uncancellable as _uncancellable
 from ._text import describe_value
 from ._wiring import ConsumerSettings, Engine, build_engine
-from .bounds import utf8_len
 from .errors import ConfigError, LilyError
 from .inbox import InboxOptions, MongoScope
 from .observe import Snapshot, TerminalObservation
+from .outbox import OutboxOptions
 from .outgoing import OutgoingMessage
 from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions, RetryPolicy
 from .runtime import Runtime
@@ -175,27 +175,13 @@ class QueueSettings(TypedDict, total=False):
     ack_delay: float
 
 
-# MongoDB database names: at most 63 bytes, none of these characters (MongoDB's naming restrictions).
-_DATABASE_NAME_BYTES = 63
-_DATABASE_NAME_FORBIDDEN = frozenset('/\\. "$\x00')
-
-
-def _check_database_name(database: object) -> None:
-    if not isinstance(database, str) or not database:
-        raise ConfigError(f"database is required with a mongo_client: a name, got {describe_value(database)}")
-    if utf8_len(database) > _DATABASE_NAME_BYTES or _DATABASE_NAME_FORBIDDEN.intersection(database):
-        raise ConfigError(
-            f"database must be a MongoDB database name of 1..{_DATABASE_NAME_BYTES} bytes without any of "
-            f'/ \\ . space " $ or NUL, got {describe_value(database, 70)}'
-        )
-
-
 class Consumer:
     """A RabbitMQ consumer whose handlers may run in MongoDB transactions (docs/design.md, section 2).
 
     ``mongo_client`` is caller-owned unless ``owns_mongo_client=True``; it is
     never closed otherwise. ``database`` holds the inbox, lease and outbox
-    collections and is what ``MongoScope.database`` returns. ``telemetry``:
+    collections and is what ``MongoScope.database`` returns; ``inbox`` and
+    ``outbox`` are their options. ``telemetry``:
     traces and metrics through the OpenTelemetry API, on by default when it is
     installed (``False`` turns them off; a :class:`~lily_mongo.telemetry.Telemetry`
     chooses providers), see ``docs/observability.md``.
@@ -214,19 +200,32 @@ class Consumer:
         inbox: InboxOptions | None = None,
         owns_mongo_client: bool = False,
         telemetry: bool | Telemetry = True,
+        outbox: OutboxOptions | None = None,
     ) -> None:
         check_amqp_url("amqp_url", amqp_url)
         if mongo_client is not None and not isinstance(mongo_client, AsyncMongoClient):
             raise ConfigError(f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}")
         if mongo_client is None:
-            given_without = (("database", database), ("inbox", inbox), ("owns_mongo_client", owns_mongo_client))
+            given_without = (
+                ("database", database),
+                ("inbox", inbox),
+                ("outbox", outbox),
+                ("owns_mongo_client", owns_mongo_client),
+            )
             for field_name, given in given_without:
                 if given is not None and given is not False:
                     raise ConfigError(f"{field_name} needs a mongo_client, got {describe_value(given)} without one")
         else:
-            _check_database_name(database)
+            check_database_name("database", database)
         if inbox is not None and not isinstance(inbox, InboxOptions):
             raise ConfigError(f"inbox must be an InboxOptions, got {describe_value(inbox)}")
+        if outbox is not None and not isinstance(outbox, OutboxOptions):
+            raise ConfigError(f"outbox must be an OutboxOptions, got {describe_value(outbox)}")
+        inbox, outbox = inbox or InboxOptions(), outbox or OutboxOptions()
+        if inbox.records == outbox.collection:
+            raise ConfigError(
+                f"InboxOptions.records and OutboxOptions.collection must differ, both are {inbox.records!r:.60}"
+            )
         check_bool("owns_mongo_client", owns_mongo_client)
         self._settings = ConsumerSettings(
             name=name,
@@ -236,9 +235,10 @@ class Consumer:
             confirm_timeout=check_seconds("confirm_timeout", confirm_timeout, low=0, high=3600, low_inclusive=False),
             graceful_timeout=check_seconds("graceful_timeout", graceful_timeout, low=0, high=3600, low_inclusive=False),
             force_timeout=check_seconds("force_timeout", force_timeout, low=0, high=3600, low_inclusive=False),
-            inbox=inbox or InboxOptions(),
+            inbox=inbox,
             owns_mongo_client=owns_mongo_client,
             telemetry=resolve_telemetry(telemetry),
+            outbox=outbox,
         )
         self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
         self._outgoing: list[OutgoingMessage] = []
@@ -436,8 +436,8 @@ class ManagedConsumer:
         try:
             if engine is not None:
                 await engine.runtime.stop_intake()
-                if engine.relay is not None:
-                    await engine.relay.stop(1.0)
+                if engine.outbox is not None:
+                    await engine.outbox.stop(1.0)
             for task in self._tasks.pending():
                 task.cancel()
             await self._tasks.join(self._tasks.pending(), 5.0)
@@ -475,24 +475,19 @@ class ManagedConsumer:
         self._stop_requested.set()
         self._force_requested.set()
 
+    @property
+    def shutdown_requested(self) -> bool:
+        """True once a shutdown was requested (by a signal, :meth:`shutdown` or :meth:`request_shutdown`)."""
+        return self._stop_requested.is_set()
+
     def install_signal_handlers(self, loop: asyncio.AbstractEventLoop | None = None) -> Callable[[], None]:
         """SIGTERM/SIGINT: first → graceful shutdown, second → force. Returns an uninstaller."""
-        loop = loop or asyncio.get_running_loop()
+        return install_signal_handlers(self, loop)
 
-        def on_signal() -> None:
-            if self._stop_requested.is_set():
-                self.request_force()
-            else:
-                self.request_shutdown()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
-
-        def uninstall() -> None:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-
-        return uninstall
+    @property
+    def queue_names(self) -> tuple[str, ...]:
+        """The plan's physical queues, in plan order (``QueueSnapshot.queue_index``)."""
+        return tuple(self.plan.queues)
 
     def snapshot(self) -> Snapshot:
         """Bounded aggregate state: counts only, never payloads, ids, names or endpoints."""
@@ -560,11 +555,13 @@ class ManagedConsumer:
                 return not still
 
             await steps.run("force", force)
-        if engine.relay is not None:
-            relay = engine.relay
+        if engine.outbox is not None:
+            outbox = engine.outbox
 
             async def relay_stop() -> bool:
-                return await relay.stop(self._force_timeout)
+                # Every delivery has settled: dispatch and mark what their commits handed over, then
+                # stop the relay after its batch.
+                return await outbox.stop(self._force_timeout)
 
             await steps.run("relay_stop", relay_stop)
 

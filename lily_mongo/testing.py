@@ -4,7 +4,8 @@
 same engine a started consumer uses (envelope validation, dispatch, extractors,
 middleware and guards, the inbox protocol against the consumer's MongoDB, the
 settlement loop); only the AMQP transport is replaced. What would have been
-published (retry copies, DLQ copies, outbox messages) is recorded in
+published (retry copies, DLQ copies, outbox messages: dispatched right after
+their commit, as a started consumer does) is recorded in
 :attr:`TestConsumer.published`::
 
     async with TestConsumer(consumer) as tc:
@@ -150,6 +151,11 @@ class TestConsumer:
     ``database`` overrides the consumer's database (the inbox records, the outbox and
     ``MongoScope.database`` all live there). Deliveries run one at a time unless the
     test runs several ``publish_*`` calls concurrently (``asyncio.gather``).
+
+    A committed attempt's outbox records go to the consumer's own dispatcher, whose send
+    records them in :attr:`published`; each ``publish_*`` returns once they are published
+    and marked. With ``relay_outbox=False`` no dispatcher runs: the records stay in the
+    outbox collection until :meth:`relay_outbox` publishes them as the backstop relay would.
     """
 
     __test__ = False  # not a pytest test class
@@ -176,7 +182,7 @@ class TestConsumer:
         )
         self._dlq_names = frozenset(options.dlq_name for options in plan.queues.values())
         self._engine = await build_engine(settings, plan, self._tasks, state=lambda: "running", handoff=self._handoff)
-        self._engine.open_in_process()
+        self._engine.open_in_process(self._tasks, self._record_outbox if self._relay_outbox else None)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -248,11 +254,18 @@ class TestConsumer:
     # -- what the broker would do next -------------------------------------------------------
 
     async def relay_outbox(self) -> int:
-        """Publish every committed outbox record (recorded in :attr:`published`); returns how many."""
-        relay = self._engine.relay if self._engine is not None else None
-        if relay is None:
+        """Publish every committed outbox record (recorded in :attr:`published`); returns how many.
+
+        What the dispatcher was handed is published and marked first; then the backstop relay's
+        batches take whatever else is due (records written with ``relay_outbox=False``, or whose
+        dispatch failed and whose backoff has passed)."""
+        outbox = self._engine.outbox if self._engine is not None else None
+        if outbox is None:
             return 0
-        return await relay.drain(self._record_outbox)
+        before = outbox.counters.published
+        await outbox.dispatched()
+        await outbox.relay.drain(self._record_outbox)
+        return outbox.counters.published - before
 
     async def deliver_retries(self) -> list[DeliveryResult]:
         """Deliver the retry copies recorded so far to their queues, without the buckets' delays."""

@@ -32,9 +32,9 @@ from lily_mongo import (
     InboxOptions,
     Json,
     MongoScope,
+    OutboxOptions,
     Publisher,
     QueueHandlerError,
-    RelayOptions,
     RetryPolicy,
     queue,
 )
@@ -262,13 +262,21 @@ async def test_an_outbox_event_arrives_in_the_trace_of_the_delivery_that_wrote_i
         await mongo.database["effects"].insert_one({"_id": str(event_id)}, session=mongo.session)
         await mongo.outbox.publish_json(down, {"order": order["n"]}, version=1)
 
-    inbox = InboxOptions(relay=RelayOptions(poll_interval=0.1), claim_in_transaction=claim_in_transaction)
+    inbox = InboxOptions(claim_in_transaction=claim_in_transaction)
     consumer = consumer_for(
-        broker, q, handle, telemetry=telemetry, name="telemetry-outbox", mongodb=mongodb, inbox=inbox, **ONE_AT_A_TIME
+        broker,
+        q,
+        handle,
+        telemetry=telemetry,
+        name="telemetry-outbox",
+        mongodb=mongodb,
+        inbox=inbox,
+        outbox=OutboxOptions(poll_interval=0.1),
+        **ONE_AT_A_TIME,
     )
     async with running(consumer) as managed:
         await publish(broker, q, {"n": 7}, traceparent=TRACEPARENT)
-        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the outbox record relayed")
+        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the outbox record dispatched")
         assert await broker.wait_for_depth(down, 1) == 1
     (event,) = await broker.drain(down)
 
@@ -278,7 +286,10 @@ async def test_an_outbox_event_arrives_in_the_trace_of_the_delivery_that_wrote_i
     assert len(spans_of(sdk, name="inbox claim")) == len(claims)
     attempt = one(spans_of(sdk, name="inbox attempt"))
     commit = one(spans_of(sdk, name="inbox commit"))
-    relay = one([s for s in spans_of(sdk, SpanKind.PRODUCER) if dict(s.attributes or {})["lily.publish"] == "relay"])
+    # Published by the consumer's dispatcher right after the commit (no relay publish).
+    producers = [dict(s.attributes or {})["lily.publish"] for s in spans_of(sdk, SpanKind.PRODUCER)]
+    assert "relay" not in producers
+    relay = one([s for s in spans_of(sdk, SpanKind.PRODUCER) if dict(s.attributes or {})["lily.publish"] == "dispatch"])
     trace_id = int(TRACE_ID, 16)
     assert {s.context.trace_id for s in (delivery, *claims, attempt, commit, relay)} == {trace_id}
     for claim in claims:
