@@ -1,4 +1,4 @@
-"""Health, readiness and Prometheus metrics over HTTP for ``lily-mongo run --http-port``.
+"""Health, readiness and Prometheus metrics over HTTP for ``lily-mongo run --http-port`` (and ``relay``).
 
 Needs the ``http`` extra: aiohttp's web server runs inside the consumer's event
 loop (so every request reads the consumer's state in the thread that changes
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, GCCollector, ProcessCollector, generate_latest
@@ -34,9 +34,31 @@ from ._metrics import (
 )
 
 if TYPE_CHECKING:
-    from .lifecycle import ManagedConsumer, ShutdownReport
+    from .lifecycle import ShutdownReport
+    from .observe import Snapshot
+    from .telemetry import Telemetry
 
-__all__ = ["MetricsCollector", "ProbeServer"]
+__all__ = ["MetricsCollector", "ProbeServer", "Served"]
+
+
+class Served(Protocol):
+    """What the probes read: a started :class:`~lily_mongo.ManagedConsumer` or :class:`~lily_mongo.Relay`."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def telemetry(self) -> Telemetry | None: ...
+
+    @property
+    def queue_names(self) -> tuple[str, ...]: ...
+
+    def snapshot(self) -> Snapshot: ...
+
+    async def wait(self) -> ShutdownReport: ...
 
 
 class MetricsCollector:
@@ -56,7 +78,7 @@ class MetricsCollector:
         if managed is None:
             return
         snapshot = managed.snapshot()
-        names = tuple(managed.plan.queues)
+        names = managed.queue_names
         generation = GaugeMetricFamily(TRANSPORT_GENERATION.prometheus_name, TRANSPORT_GENERATION.description)
         generation.add_metric([], getattr(snapshot, TRANSPORT_GENERATION.field))
         yield generation
@@ -104,7 +126,7 @@ class ProbeServer:
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = port
-        self.managed: ManagedConsumer | None = None
+        self.managed: Served | None = None
         self._supervisor: asyncio.Future[ShutdownReport] | None = None
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(MetricsCollector(self))
@@ -122,8 +144,8 @@ class ProbeServer:
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
 
-    def attach(self, managed: ManagedConsumer) -> None:
-        """Serve this started consumer's state from now on."""
+    def attach(self, managed: Served) -> None:
+        """Serve this started consumer's (or relay's) state from now on."""
         self.managed = managed
         self._supervisor = asyncio.ensure_future(managed.wait())  # an observer: cancelling it stops nothing
 

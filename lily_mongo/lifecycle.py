@@ -41,7 +41,7 @@ from ._wiring import ConsumerSettings, Engine, build_engine
 from .errors import ConfigError, LilyError
 from .inbox import InboxOptions, MongoScope
 from .observe import Snapshot, TerminalObservation
-from .outbox import OutboxOptions
+from .outbox import OutboxOptions, OutboxRuntime
 from .outgoing import OutgoingMessage
 from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions, RetryPolicy
 from .runtime import Runtime
@@ -403,6 +403,11 @@ class ManagedConsumer:
     def _runtime(self) -> Runtime | None:
         """The engine's runtime once built (for the library's own tests)."""
         return self._engine.runtime if self._engine is not None else None
+
+    @property
+    def _outbox(self) -> OutboxRuntime | None:
+        """The engine's outbox once built (for the library's own tests)."""
+        return self._engine.outbox if self._engine is not None else None
 
     @property
     def ready(self) -> bool:
