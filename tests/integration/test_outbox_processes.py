@@ -139,3 +139,35 @@ async def test_a_relay_killed_mid_batch_still_publishes_every_record_at_least_on
     # The dead relay's batch was published again once its claim expired; nothing else twice.
     assert {event for event, count in arrived.items() if count > 1} == {by_id[i] for i in batch}
     assert max(arrived.values()) == 2
+
+
+async def test_a_relay_stops_gracefully_on_sigterm_and_a_second_signal_forces_it(
+    broker: Broker, mongodb: MongoDB, tmp_path: Path
+) -> None:
+    down = await broker.declare(broker.queue("down"))
+    outbox = mongodb.db[OUTBOX]
+    await outbox.insert_many([outbox_record(down, {"n": n}, seq=n) for n in range(5)])
+    relay = ["relay", *common(broker, mongodb), "--claim-seconds", "30"]
+    async with outbox_workers(tmp_path) as workers:
+        # Idle: SIGTERM stops it at once, gracefully.
+        idle = await workers.start("relay-idle", *relay)
+        await workers.wait_for_record("relay-idle", "ready")
+        assert await broker.wait_for_depth(down, 5) == 5
+        idle.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(idle.wait(), 15.0) == 0, workers.stderr("relay-idle")
+        stopped = await workers.wait_for_record("relay-idle", "stopped")
+        assert (stopped["succeeded"], stopped["forced"], stopped["published"]) == (True, False, 5)
+
+        # Held in a batch (published, its mark held): the first signal waits for it, the second forces.
+        await outbox.insert_many([outbox_record(down, {"n": n}) for n in range(3)])
+        held = await workers.start("relay-held", *relay, "--mark-delay", "60")
+        await workers.wait_for_record("relay-held", "published")
+        held.send_signal(signal.SIGTERM)
+        await asyncio.sleep(1.0)
+        assert held.returncode is None  # still waiting for its batch (graceful window 30 s)
+        held.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(held.wait(), 15.0) == 0, workers.stderr("relay-held")
+        forced = await workers.wait_for_record("relay-held", "stopped")
+        assert (forced["succeeded"], forced["forced"]) == (True, True)
+    # The forced batch was published, not marked: its claim expires and another relay republishes it.
+    assert await outbox.count_documents({"status": "pending", "claim_owner": {"$regex": "^relay-held:"}}) == 3

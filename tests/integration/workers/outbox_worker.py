@@ -107,7 +107,14 @@ async def run_relay(args: argparse.Namespace, client: AsyncMongoClient[Any]) -> 
     relay.install_signal_handlers()
     emit({"ready": args.name, "pid": os.getpid()})
     report = await relay.wait()
-    emit({"stopped": args.name, "succeeded": report.succeeded, "published": relay.snapshot().outbox_published})
+    emit(
+        {
+            "stopped": args.name,
+            "succeeded": report.succeeded,
+            "forced": report.forced,
+            "published": relay.snapshot().outbox_published,
+        }
+    )
 
 
 async def run(args: argparse.Namespace) -> None:
