@@ -695,8 +695,14 @@ class OutboxRelay:
 
     async def prepare(self, *, passive: bool) -> None:
         """Create the outbox's indexes (idempotent), or only verify them in passive mode."""
+        # Only pending records are in it: the published ones (kept for the retention, the bulk of the
+        # collection) cost the claim query nothing.
         await ensure_index(
-            self._collection, "lily_outbox_due", [("status", 1), ("available_at", 1), ("seq", 1)], passive=passive
+            self._collection,
+            "lily_outbox_due",
+            [("status", 1), ("available_at", 1), ("seq", 1)],
+            passive=passive,
+            partialFilterExpression={"status": protocol.PENDING},
         )
         await ensure_index(
             self._collection, "lily_expires_at_ttl", [("expires_at", 1)], passive=passive, expireAfterSeconds=0
