@@ -1,5 +1,5 @@
 """The shutdown signals (docs/lifecycle.md): the first SIGTERM or SIGINT asks for a graceful shutdown,
-the next one forces it; the handlers come off again. One helper serves the consumer and the relay."""
+the next one forces it; the handlers come off again. One function serves the consumer and the relay."""
 
 from __future__ import annotations
 
