@@ -13,7 +13,7 @@ event inside the transaction.
 
 * lily: ``Consumer(..., mongo_client=AsyncMongoClient(uri, event_listeners=[...]))``
   with an inbox handler taking ``Json[Order]``, ``EventId`` and ``MongoScope``;
-  the outbox relay is off (``InboxOptions(run_relay=False)``) unless ``--relay``;
+  the outbox relay is off (``OutboxOptions(run_relay=False)``) unless ``--relay``;
   first-time copies claim their record inside the transaction (the default)
   unless ``--lease-first`` (``InboxOptions(claim_in_transaction=False)``: every
   copy takes the lease claim first, the 3 + k path of docs/inbox.md).
@@ -83,6 +83,7 @@ from lily_mongo import (
     InboxOptions,
     Json,
     MongoScope,
+    OutboxOptions,
     Publisher,
     QueueOptions,
     RetryPolicy,
@@ -289,7 +290,8 @@ async def child_lily(config: dict[str, Any], commands: CommandLog) -> dict[str, 
         name="bench-inbox",
         mongo_client=client,
         database=config["database"],
-        inbox=InboxOptions(run_relay=config["relay"], claim_in_transaction=not config["lease_first"]),
+        inbox=InboxOptions(claim_in_transaction=not config["lease_first"]),
+        outbox=OutboxOptions(run_relay=config["relay"]),
     )
     consumer.configure_queue(
         name,
@@ -802,7 +804,7 @@ async def parent(args: argparse.Namespace) -> int:
                 f"{args.messages} messages per run, then {round(args.messages * args.duplicates)} duplicate copies; "
                 f"{args.rounds} rounds (order alternating); concurrency {' '.join(map(str, args.concurrency))}; "
                 f"prefetch {args.prefetch}; lily outbox relay "
-                f"{'on (its commands listed as not charged)' if args.relay else 'off (InboxOptions(run_relay=False))'}"
+                f"{'on (its commands listed as not charged)' if args.relay else 'off (OutboxOptions(run_relay=False))'}"
                 f"; lily claims {'with the lease first' if args.lease_first else 'first copies in the transaction'}",
                 file=out,
             )

@@ -6,6 +6,7 @@ The public surface (docs/design.md, section 2); implementation modules may chang
 from __future__ import annotations
 
 from .errors import (
+    CommitOutcomeUnknown,
     ConfigError,
     EnvelopeError,
     ErrorCode,
@@ -32,12 +33,14 @@ from .extractors import (
 from .inbox import InboxOptions, MongoScope
 from .lifecycle import Consumer, ManagedConsumer, ShutdownAction, ShutdownReport
 from .observe import QueueSnapshot, Snapshot, TerminalObservation
-from .outbox import RelayOptions
+from .outbox import Outbox, OutboxOptions, OutboxTransaction
 from .plan import DeliveryContext, QueueOptions, RetryPolicy, queue
 from .publisher import CustomPublishContent, Publisher
+from .relay import Relay
 
 __all__ = [
     "Bytes",
+    "CommitOutcomeUnknown",
     "ConfigError",
     "Consumer",
     "CustomPublishContent",
@@ -53,6 +56,9 @@ __all__ = [
     "ManagedConsumer",
     "MongoDatabase",
     "MongoScope",
+    "Outbox",
+    "OutboxOptions",
+    "OutboxTransaction",
     "PlanError",
     "PublishError",
     "Publisher",
@@ -61,7 +67,7 @@ __all__ = [
     "QueueSnapshot",
     "RawDelivery",
     "Redelivered",
-    "RelayOptions",
+    "Relay",
     "Resource",
     "RetryCount",
     "RetryPolicy",

@@ -3,7 +3,7 @@
 Every wait before trying again uses it: an inbox replay and a commit retry
 (``InboxOptions.backoff_base``/``backoff_max``, docs/inbox.md), the pause before
 a deferred or handed-off delivery is requeued (docs/settlement.md, section 4)
-and an outbox record's next publish attempt (``RelayOptions``, docs/outbox.md).
+and an outbox record's next publish attempt (``OutboxOptions``, docs/outbox.md).
 """
 
 from __future__ import annotations

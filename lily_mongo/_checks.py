@@ -19,7 +19,7 @@ from ._text import describe_value
 from .bounds import utf8_len
 from .errors import ConfigError
 
-__all__ = ["check_amqp_url", "check_bool", "check_callable", "check_int", "check_seconds"]
+__all__ = ["check_amqp_url", "check_bool", "check_callable", "check_database_name", "check_int", "check_seconds"]
 
 
 def check_int(field: str, value: object, low: int, high: int) -> int:
@@ -67,3 +67,20 @@ def check_amqp_url(field: str, value: object) -> str:
     if not valid or utf8_len(value) > 4096:
         raise ConfigError(f"{field} must be an amqp:// or amqps:// URL with a host, got {redact_url(value)[:200]!r}")
     return value
+
+
+# MongoDB database names: at most 63 bytes, none of these characters (MongoDB's naming restrictions).
+_DATABASE_NAME_BYTES = 63
+_DATABASE_NAME_FORBIDDEN = frozenset('/\\. "$\x00')
+
+
+def check_database_name(field: str, database: object) -> str:
+    """A MongoDB database name: 1..63 bytes without ``/ \\ . " $``, space or NUL."""
+    if not isinstance(database, str) or not database:
+        raise ConfigError(f"{field} is required with a mongo_client: a name, got {describe_value(database)}")
+    if utf8_len(database) > _DATABASE_NAME_BYTES or _DATABASE_NAME_FORBIDDEN.intersection(database):
+        raise ConfigError(
+            f"{field} must be a MongoDB database name of 1..{_DATABASE_NAME_BYTES} bytes without any of "
+            f'/ \\ . space " $ or NUL, got {describe_value(database, 70)}'
+        )
+    return database

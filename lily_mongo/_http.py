@@ -1,4 +1,4 @@
-"""Health, readiness and Prometheus metrics over HTTP for ``lily-mongo run --http-port``.
+"""Health, readiness and Prometheus metrics over HTTP for ``lily-mongo run --http-port`` (and ``relay``).
 
 Needs the ``http`` extra: aiohttp's web server runs inside the consumer's event
 loop (so every request reads the consumer's state in the thread that changes
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -45,9 +45,31 @@ from ._metrics import (
 
 if TYPE_CHECKING:
     from ._workers import Supervisor
-    from .lifecycle import ManagedConsumer, ShutdownReport
+    from .lifecycle import ShutdownReport
+    from .observe import Snapshot
+    from .telemetry import Telemetry
 
-__all__ = ["MetricsCollector", "ProbeServer", "WorkerProbes", "merge_worker_metrics"]
+__all__ = ["MetricsCollector", "ProbeServer", "Served", "WorkerProbes", "merge_worker_metrics"]
+
+
+class Served(Protocol):
+    """What the probes read: a started :class:`~lily_mongo.ManagedConsumer` or :class:`~lily_mongo.Relay`."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def telemetry(self) -> Telemetry | None: ...
+
+    @property
+    def queue_names(self) -> tuple[str, ...]: ...
+
+    def snapshot(self) -> Snapshot: ...
+
+    async def wait(self) -> ShutdownReport: ...
 
 
 class MetricsCollector:
@@ -67,7 +89,7 @@ class MetricsCollector:
         if managed is None:
             return
         snapshot = managed.snapshot()
-        names = tuple(managed.plan.queues)
+        names = managed.queue_names
         generation = GaugeMetricFamily(TRANSPORT_GENERATION.prometheus_name, TRANSPORT_GENERATION.description)
         generation.add_metric([], getattr(snapshot, TRANSPORT_GENERATION.field))
         yield generation
@@ -115,7 +137,7 @@ class ProbeServer:
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = port
-        self.managed: ManagedConsumer | None = None
+        self.managed: Served | None = None
         self._supervisor: asyncio.Future[ShutdownReport] | None = None
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(MetricsCollector(self))
@@ -136,8 +158,8 @@ class ProbeServer:
         if addresses:
             self.port = int(addresses[0][1])
 
-    def attach(self, managed: ManagedConsumer) -> None:
-        """Serve this started consumer's state from now on."""
+    def attach(self, managed: Served) -> None:
+        """Serve this started consumer's (or relay's) state from now on."""
         self.managed = managed
         self._supervisor = asyncio.ensure_future(managed.wait())  # an observer: cancelling it stops nothing
 

@@ -89,7 +89,8 @@ HANDLER_DURATION = Metric(
 RELAY_LAG = Metric(
     "lily.outbox.relay.lag",
     "s",
-    "Seconds from an outbox record's creation to its publisher confirm.",
+    "Seconds from an outbox record's commit (its creation, when the backstop relay publishes it) to its "
+    "publisher confirm.",
     buckets=LAG_BUCKETS,
 )
 SENT = Metric(

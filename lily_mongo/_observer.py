@@ -7,7 +7,8 @@ at these points and never asks whether telemetry is on:
   delivery's own :class:`DeliveryObserver`: its execution done, its hand-off
   publish, its terminal outcome, and leaving its task;
 * the inbox steps: the lease claim, each attempt, the commit, a reconciliation;
-* an outbox record about to be written, and the relay's publish of one;
+* an outbox record about to be written, and its publish (by the dispatcher after
+  the commit, or by the backstop relay);
 * a :class:`~lily_mongo.Publisher` publish;
 * a consumer's snapshot, read by observable metrics when collected.
 
@@ -84,8 +85,9 @@ class Observer(Protocol):
         the current trace context, which the relay's publish continues)."""
         ...
 
-    def relay_publish(self, send: Send, record: Mapping[str, Any]) -> Awaitable[None]:
-        """The relay publishes an outbox ``record`` (its message, with the ``headers`` it stored)."""
+    def relay_publish(self, send: Send, record: Mapping[str, Any], *, via: str = "relay") -> Awaitable[None]:
+        """An outbox ``record`` is published (its message, with the ``headers`` it stored): ``via`` is
+        ``"dispatch"`` (right after its commit, from memory) or ``"relay"`` (the backstop relay)."""
         ...
 
     def publish(
@@ -148,7 +150,7 @@ class _NoObserver:
     def outbox_record(self, options: MutableMapping[str, Any]) -> None:
         pass
 
-    def relay_publish(self, send: Send, record: Mapping[str, Any]) -> Awaitable[None]:
+    def relay_publish(self, send: Send, record: Mapping[str, Any], *, via: str = "relay") -> Awaitable[None]:
         return send(record["headers"])
 
     def publish(

@@ -1,8 +1,10 @@
 """A consumer's engine, wired in one place for a started consumer and a test consumer alike.
 
 :func:`build_engine` makes the parts from a consumer's frozen settings: with a
-MongoDB client, the outbox relay and the inbox (whose commits wake the relay),
-their collections prepared and the inbox heartbeat started; the runtime; and
+MongoDB client, the process's outbox (writers, the dispatcher that publishes a
+transaction's records right after its commit, the backstop relay) and the inbox
+(whose committed attempts hand their records to the dispatcher), their
+collections prepared and the inbox heartbeat started; the runtime; and
 the telemetry hook-up (the observer every part reports to, and the snapshot the
 observable metrics read). Then :meth:`Engine.start` consumes on an AMQP
 connection (:class:`~lily_mongo.ManagedConsumer`), or :meth:`Engine.open_in_process`
@@ -14,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +32,7 @@ from .dispatch import Services
 from .errors import ConfigError
 from .inbox import Inbox, InboxOptions
 from .observe import Snapshot
-from .outbox import OutboxRelay
+from .outbox import OutboxOptions, OutboxRuntime, Send
 from .runtime import Handoff, Runtime
 
 if TYPE_CHECKING:
@@ -60,6 +62,7 @@ class ConsumerSettings:
     telemetry: Telemetry | None = None
     lifespan: Lifespan | None = None
     mongo_check_timeout: float = 10.0
+    outbox: OutboxOptions = field(default_factory=OutboxOptions)
 
 
 def _nothing() -> None:
@@ -73,33 +76,38 @@ class Engine:
     settings: ConsumerSettings
     runtime: Runtime
     inbox: Inbox | None
-    relay: OutboxRelay | None
+    outbox: OutboxRuntime | None
     unwatch: Callable[[], None] = _nothing
 
     def snapshot(self, state: str) -> Snapshot:
         """The consumer's bounded aggregate state, in lifecycle state ``state``."""
-        runtime, relay = self.runtime, self.relay
+        runtime = self.runtime
+        counters = self.outbox.counters if self.outbox is not None else None
         return Snapshot(
             state=state,
             transport_generation=runtime.generation,
             queues=runtime.snapshots(),
-            outbox_pending=relay.pending if relay else None,
-            outbox_failed=relay.failed if relay else None,
-            outbox_published=relay.published if relay else 0,
-            outbox_unroutable=relay.unroutable if relay else 0,
+            outbox_pending=counters.pending if counters else None,
+            outbox_failed=counters.failed if counters else None,
+            outbox_published=counters.published if counters else 0,
+            outbox_unroutable=counters.unroutable if counters else 0,
         )
 
     async def start(self, connection: aio_pika.abc.AbstractConnection, tasks: TaskSet) -> None:
-        """Consume on ``connection`` (the runtime's own); relay outbox records unless another process does."""
+        """Consume on ``connection`` (the runtime's own). The outbox starts first, so the first
+        commit already has a dispatcher; its relay runs unless ``OutboxOptions.run_relay`` is off."""
         runtime = self.runtime
         if isinstance(connection, aio_pika.abc.AbstractRobustConnection):
             connection.reconnect_callbacks.add(lambda *_: runtime.on_reconnect())
+        if self.outbox is not None:
+            await self.outbox.start(connection, self.settings.confirm_timeout, tasks)
         await runtime.start()
-        if self.relay is not None and self.settings.inbox.run_relay:
-            await self.relay.start(connection, self.settings.confirm_timeout, tasks)
 
-    def open_in_process(self) -> None:
-        """Accept deliveries through :meth:`Runtime.deliver` (no AMQP; the relay is drained by hand)."""
+    def open_in_process(self, tasks: TaskSet, outbox_send: Send | None = None) -> None:
+        """Accept deliveries through :meth:`Runtime.deliver` (no AMQP). With ``outbox_send``, committed
+        outbox records are dispatched through it; no relay runs (it is drained by hand)."""
+        if self.outbox is not None and outbox_send is not None:
+            self.outbox.start_in_process(outbox_send, tasks)
         self.runtime.open_in_process()
 
 
@@ -122,28 +130,28 @@ async def build_engine(
     """
     observer: Observer = settings.telemetry or NO_OBSERVER
     inbox: Inbox | None = None
-    relay: OutboxRelay | None = None
+    outbox: OutboxRuntime | None = None
     client = settings.mongo_client
     if client is not None:
         assert settings.database is not None
-        options = settings.inbox
-        relay = OutboxRelay(
-            client[settings.database][options.outbox],
-            options.relay,
-            f"{settings.name[:64]}:{uuid.uuid4().hex[:12]}",
+        outbox = OutboxRuntime(
+            client,
+            settings.database,
+            settings.outbox,
+            owner=f"{settings.name[:64]}:{uuid.uuid4().hex[:12]}",
             observer=observer,
         )
         inbox = Inbox(
             client,
             settings.database,
-            options,
+            settings.inbox,
             owner_prefix=settings.name,
-            on_outbox_commit=relay.wake,
+            outbox=outbox,
             observer=observer,
         )
         try:
             await inbox.prepare()
-            await relay.prepare(passive=options.passive_indexes)
+            await outbox.prepare()
         except PyMongoError as exc:
             raise mongo_error(exc, "the inbox set-up") from exc
         inbox.start(tasks)
@@ -161,7 +169,7 @@ async def build_engine(
         observer=observer,
         services=services,
     )
-    engine = Engine(settings, runtime, inbox, relay)
+    engine = Engine(settings, runtime, inbox, outbox)
     names = tuple(plan.queues)
     # Observable instruments read the snapshot when collected.
     engine.unwatch = observer.watch(lambda: (engine.snapshot(state()), names))

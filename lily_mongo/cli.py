@@ -1,7 +1,7 @@
-"""The ``lily-mongo`` command: run, demo, asyncapi, dlq, inbox, embedded.
+"""The ``lily-mongo`` command: run, relay, demo, asyncapi, dlq, inbox, embedded.
 
 A thin shell: each command parses its options, calls the package (``lifecycle``,
-``demo``, ``asyncapi``, ``dlq``, ``inbox.inbox_stats``, ``embedded``; ``_workers`` for
+``relay``, ``demo``, ``asyncapi``, ``dlq``, ``inbox.inbox_stats``, ``embedded``; ``_workers`` for
 ``run --workers`` and ``--reload``) and prints the result. Errors end the command
 with one line on stderr saying what failed and what to do, and a documented exit
 status (usage errors too: one ``error:`` line, status 2); ``--debug`` adds the
@@ -55,7 +55,9 @@ from .dlq import DlqListing, list_dead_letters, replay_dead_letters
 from .errors import ConfigError, LilyError, PublishError, TransportError
 from .inbox import InboxOptions
 from .lifecycle import Consumer
+from .outbox import OutboxOptions
 from .plan import routes_of
+from .relay import Relay
 
 if TYPE_CHECKING:
     from ._http import ProbeServer
@@ -486,6 +488,84 @@ class _WorkerLink:
             signals.receive(signal.SIGTERM)  # as a SIGTERM would
 
 
+@app.command(epilog=EXIT_CODES)
+def relay(
+    ctx: typer.Context,
+    database: Annotated[
+        str, typer.Option("--database", envvar="LILY_MONGO_DATABASE", help="The database holding the outbox.")
+    ],
+    mongo_uri: MongoOption = DEFAULT_MONGO_URI,
+    amqp_url: AmqpOption = DEFAULT_AMQP_URL,
+    collection: Annotated[str, typer.Option(help="The outbox collection (OutboxOptions.collection).")] = "lily_outbox",
+    batch_size: Annotated[int, typer.Option(min=1, max=1000, help="Records claimed per batch.")] = 100,
+    poll_interval: Annotated[
+        float, typer.Option(min=0.01, max=3600, help="Seconds between polls while nothing is due.")
+    ] = 1.0,
+    claim_seconds: Annotated[
+        float, typer.Option(min=0.1, max=86400, help="How long a claimed batch is this relay's.")
+    ] = 30.0,
+    max_attempts: Annotated[
+        int, typer.Option(min=1, max=1000, help="Failed publishes before a record is parked.")
+    ] = 10,
+    name: Annotated[str, typer.Option(help="The relay's name in its claims (claim_owner).")] = "lily-relay",
+    http_port: Annotated[
+        int | None,
+        typer.Option("--http-port", min=1, max=65535, help="Serve /healthz, /readyz and /metrics on this port."),
+    ] = None,
+    http_host: Annotated[str, typer.Option("--http-host", help="Address for --http-port.")] = "127.0.0.1",
+    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
+    log_format: Annotated[str, typer.Option("--log-format", help="text or json.")] = "text",
+) -> None:
+    """Run the outbox's backstop relay alone until SIGTERM/SIGINT (graceful); a second signal forces.
+
+    It publishes the outbox records no consumer's dispatcher published (written by Outbox.transaction
+    without amqp_url, or whose writer died), in batches, with confirms. Exit status: 0 after a graceful
+    stop that succeeded, 1 after a failed or forced one, 2 on a bad option, 3 when RabbitMQ or MongoDB
+    cannot be reached.
+    """
+    settings = ctx.find_object(_Settings)
+    try:
+        configure_logging(log_level, log_format, debug=settings is not None and settings.debug)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+    async def main() -> int:
+        options = OutboxOptions(
+            collection=collection,
+            batch_size=batch_size,
+            poll_interval=poll_interval,
+            claim_seconds=claim_seconds,
+            mark_interval=min(OutboxOptions().mark_interval, claim_seconds / 2),
+            max_attempts=max_attempts,
+        )
+        client = await open_mongo(mongo_uri)
+        try:
+            service = Relay(client, database, amqp_url=amqp_url, options=options, name=name, owns_mongo_client=True)
+        except BaseException:
+            await client.close()
+            raise
+        probes = await _start_probes(http_host, http_port) if http_port is not None else None
+        try:
+            await service.start()  # a failed start closes the client (the relay owns it)
+            if probes is not None:
+                probes.attach(service)
+            uninstall = service.install_signal_handlers()
+            say.info("relaying %s.%s as %s; Ctrl-C or SIGTERM stops it gracefully", database, collection, name)
+            try:
+                report = await service.wait()
+            finally:
+                uninstall()
+        finally:
+            if probes is not None:
+                await probes.stop()
+        _print_report(report, log_format == "json", None)
+        return ExitCode.OK if report.graceful else ExitCode.FAILED
+
+    with _reported(ctx, amqp_url, mongo_uri, unreachable="is it running? Check --amqp-url and --mongo-uri"):
+        code = asyncio.run(main())
+    raise typer.Exit(code)
+
+
 async def _start_probes(host: str, port: int) -> ProbeServer:
     """The /healthz, /readyz and /metrics server (the ``http`` extra), listening before the consumer starts."""
     try:
@@ -725,14 +805,15 @@ def inbox_stats(
     database: Annotated[str, typer.Argument(help="The consumer's database.")],
     mongo_uri: MongoOption = DEFAULT_MONGO_URI,
     records: Annotated[str, typer.Option(help="The inbox record collection (InboxOptions.records).")] = "lily_inbox",
-    outbox: Annotated[str, typer.Option(help="The outbox collection (InboxOptions.outbox).")] = "lily_outbox",
+    outbox: Annotated[str, typer.Option(help="The outbox collection (OutboxOptions.collection).")] = "lily_outbox",
     timeout: Annotated[
         float, typer.Option(min=0.1, max=600, help="Seconds to wait for a MongoDB server to answer.")
     ] = 10.0,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Completed records, live and expired leases, outbox pending/published/failed, per handler."""
-    options = InboxOptions(records=records, outbox=outbox)
+    options = InboxOptions(records=records)
+    outbox_options = OutboxOptions(collection=outbox)
 
     async def main() -> dict[str, dict[str, int]]:
         client = await open_mongo(mongo_uri, timeout=timeout)
@@ -745,7 +826,7 @@ def inbox_stats(
                         f"database {database!r} has neither a {records!r} nor an {outbox!r} collection: is it the "
                         "consumer's database? (a consumer with a mongo_client creates them when it starts)",
                     )
-                return await inbox_records.inbox_stats(client[database], options)
+                return await inbox_records.inbox_stats(client[database], options, outbox=outbox_options.collection)
         finally:
             await client.close()
 

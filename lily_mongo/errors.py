@@ -12,6 +12,7 @@ import enum
 from typing import Literal
 
 __all__ = [
+    "CommitOutcomeUnknown",
     "ConfigError",
     "EnvelopeError",
     "ErrorCode",
@@ -129,3 +130,8 @@ class PublishError(TransportError):
 
 class ScopeClosedError(LilyError, RuntimeError):
     """A handler scope (``MongoScope``, its outbox) was used after its attempt ended."""
+
+
+class CommitOutcomeUnknown(TransportError):
+    """A transaction's commit result stayed unknown after its retries and nothing read back proves it
+    committed: it may or may not have. Check the data before running it again (docs/outbox.md)."""

@@ -62,10 +62,10 @@ from ._checks import check_bool, check_int, check_seconds
 from ._mongo import discard_server_session, ensure_index, error_labels
 from ._observer import NO_OBSERVER, Observer
 from ._tasks import TaskSet
-from .bounds import BOUNDS, DELIVERY_COUNT_HEADER
+from .bounds import DELIVERY_COUNT_HEADER
 from .errors import ConfigError, ErrorCode, ScopeClosedError
 from .extractors import NOT_DECODED
-from .outbox import Outbox, RelayOptions
+from .outbox import OutboxRuntime, OutboxWriter
 from .records import ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
 from .settlement import Execution, Outcome, PipelineResult
 
@@ -91,10 +91,10 @@ _SUCCESS = PipelineResult(Outcome.SUCCESS)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InboxOptions:
-    """Collections, lease timing, retention and replay budgets of the inbox and outbox."""
+    """The record collection, lease timing, retention and replay budgets of the inbox
+    (the outbox has its own: :class:`~lily_mongo.OutboxOptions`)."""
 
     records: str = "lily_inbox"
-    outbox: str = "lily_outbox"
     lease_seconds: float = 30.0
     heartbeat_seconds: float | None = None  # default: lease_seconds / 3
     retention_seconds: float = 7 * 24 * 3600.0
@@ -103,19 +103,13 @@ class InboxOptions:
     commit_retries: int = 3
     backoff_base: float = 0.02
     backoff_max: float = 1.0
-    outbox_max_body: int = BOUNDS.outbox_body_default
     passive_indexes: bool = False
     claim_in_transaction: bool = True
-    relay: RelayOptions = field(default_factory=RelayOptions)
-    run_relay: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("records", "outbox"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not 0 < len(value.encode()) <= 120 or "$" in value:
-                raise ConfigError(f"InboxOptions.{name} must be a collection name of 1..120 bytes, got {value!r:.60}")
-        if self.records == self.outbox:
-            raise ConfigError(f"InboxOptions.records and .outbox must differ, both are {self.records!r:.60}")
+        value = self.records
+        if not isinstance(value, str) or not 0 < len(value.encode()) <= 120 or "$" in value:
+            raise ConfigError(f"InboxOptions.records must be a collection name of 1..120 bytes, got {value!r:.60}")
         lease_seconds = check_seconds("InboxOptions.lease_seconds", self.lease_seconds, low=0.05, high=3600)
         heartbeat = self.heartbeat_seconds if self.heartbeat_seconds is not None else lease_seconds / 3
         check_seconds("InboxOptions.heartbeat_seconds", heartbeat, low=0, high=lease_seconds, low_inclusive=False)
@@ -134,12 +128,8 @@ class InboxOptions:
             raise ConfigError(
                 f"InboxOptions.backoff_base must be <= backoff_max ({self.backoff_max:g}), got {self.backoff_base!r}"
             )
-        check_int("InboxOptions.outbox_max_body", self.outbox_max_body, 1, BOUNDS.outbox_body_max)
         check_bool("InboxOptions.passive_indexes", self.passive_indexes)
         check_bool("InboxOptions.claim_in_transaction", self.claim_in_transaction)
-        check_bool("InboxOptions.run_relay", self.run_relay)
-        if not isinstance(self.relay, RelayOptions):
-            raise ConfigError(f"InboxOptions.relay must be a RelayOptions, got {type(self.relay).__name__}")
 
 
 class MongoScope:
@@ -152,7 +142,7 @@ class MongoScope:
 
     __slots__ = ("_database", "_open", "_outbox", "_session")
 
-    def __init__(self, session: AsyncClientSession, database: AsyncDatabase[Any], outbox: Outbox | None) -> None:
+    def __init__(self, session: AsyncClientSession, database: AsyncDatabase[Any], outbox: OutboxWriter | None) -> None:
         self._session = session
         self._database = database
         self._outbox = outbox
@@ -182,8 +172,8 @@ class MongoScope:
         return self._database
 
     @property
-    def outbox(self) -> Outbox:
-        """Messages staged here are published by the relay after the commit."""
+    def outbox(self) -> OutboxWriter:
+        """Messages staged here commit with the transaction and are published right after the commit."""
         self._check()
         assert self._outbox is not None
         return self._outbox
@@ -227,7 +217,7 @@ class Inbox:
         options: InboxOptions,
         *,
         owner_prefix: str,
-        on_outbox_commit: Callable[[], None] | None = None,
+        outbox: OutboxRuntime,
         observer: Observer = NO_OBSERVER,
     ) -> None:
         self._client = client
@@ -236,11 +226,10 @@ class Inbox:
         self._options = options
         self._records = self._database[options.records]
         self._majority_records = self._records.with_options(read_concern=ReadConcern("majority"))
-        self._outbox = self._database[options.outbox]
+        self._outbox = outbox
         # Owner ids: "<consumer>:<process instance>:<attempt number>", unique without a uuid per delivery.
         self._owner_prefix = f"{owner_prefix[:64]}:{uuid.uuid4().hex[:12]}:"
         self._owner_numbers = itertools.count(1)
-        self._on_outbox_commit = on_outbox_commit
         self._leases: set[_Lease] = set()
         self._clock_offset = datetime.timedelta(0)  # server clock - consumer clock, read by prepare()
         assert options.heartbeat_seconds is not None
@@ -499,14 +488,7 @@ class Inbox:
                     await self._abort(session)
                     return PipelineResult(Outcome.DEFERRED, ErrorCode.LEASE_LOST, "the lease was taken over")
             scope: MongoScope | None = None
-            outbox = Outbox(
-                self._outbox,
-                session,
-                handler_id=route.handler_id,
-                max_body=self._options.outbox_max_body,
-                is_open=lambda: scope is not None and scope.is_open,
-                observer=self._observer,
-            )
+            outbox = self._outbox.writer(session, route.handler_id, lambda: scope is not None and scope.is_open)
             scope = MongoScope(session, self._database, outbox)
             try:
                 result = await invoke(execution.attempts, scope, payload)
@@ -522,8 +504,8 @@ class Inbox:
                 await self._abort(session)
                 return result
             result = await self._observer.inbox_commit(self._commit(session, lease, execution))
-            if result is _SUCCESS and outbox.written and self._on_outbox_commit is not None:
-                self._on_outbox_commit()
+            if result is _SUCCESS and outbox.written:
+                self._outbox.committed(outbox)  # dispatched after the commit; the ACK does not wait
             return result
         finally:
             lease.holding = False
@@ -618,8 +600,10 @@ STAT_COLUMNS = ("completed", "live_leases", "stale_leases", "outbox_pending", "o
 """The columns of :func:`inbox_stats`, in the order ``lily-mongo inbox stats`` prints them."""
 
 
-async def inbox_stats(database: AsyncDatabase[Any], options: InboxOptions) -> dict[str, dict[str, int]]:
-    """Per handler: completed records, live and expired leases, outbox records by status.
+async def inbox_stats(
+    database: AsyncDatabase[Any], options: InboxOptions, *, outbox: str = "lily_outbox"
+) -> dict[str, dict[str, int]]:
+    """Per handler: completed records, live and expired leases, outbox records (collection ``outbox``) by status.
 
     A lease is live while it has an owner and its expiry is ahead of the server clock.
     """
@@ -637,8 +621,8 @@ async def inbox_stats(database: AsyncDatabase[Any], options: InboxOptions) -> di
         else:
             column = "live_leases" if key.get("live") else "stale_leases"
         row(key.get("h"))[column] += int(doc["n"])
-    outbox = {"$group": {"_id": {"h": "$handler", "s": "$status"}, "n": {"$sum": 1}}}
-    async for doc in await database[options.outbox].aggregate([outbox]):
+    by_status = {"$group": {"_id": {"h": "$handler", "s": "$status"}, "n": {"$sum": 1}}}
+    async for doc in await database[outbox].aggregate([by_status]):
         status = str(doc["_id"].get("s"))
         if status in ("pending", "published", "failed"):
             row(doc["_id"].get("h"))[f"outbox_{status}"] += int(doc["n"])

@@ -32,7 +32,7 @@ import aio_pika.abc
 from pymongo import AsyncMongoClient
 
 from ._amqp import channel_errors, connect_amqp
-from ._checks import check_amqp_url, check_bool, check_seconds
+from ._checks import check_amqp_url, check_bool, check_database_name, check_seconds
 from ._mongo import check_mongo
 from ._redact import redact_url
 from ._signals import ShutdownSignals, graceful_notice
@@ -40,10 +40,10 @@ from ._tasks import TaskSet, raise_if_cancel_requested
 from ._tasks import uncancellable as _uncancellable
 from ._text import describe_value
 from ._wiring import ConsumerSettings, Engine, Lifespan, build_engine, enter_lifespan
-from .bounds import utf8_len
 from .errors import ConfigError, LilyError
 from .inbox import InboxOptions, MongoScope
 from .observe import Snapshot, TerminalObservation
+from .outbox import OutboxOptions, OutboxRuntime
 from .outgoing import OutgoingMessage
 from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions, RetryPolicy
 from .runtime import Runtime
@@ -187,27 +187,13 @@ class QueueSettings(TypedDict, total=False):
     ack_delay: float
 
 
-# MongoDB database names: at most 63 bytes, none of these characters (MongoDB's naming restrictions).
-_DATABASE_NAME_BYTES = 63
-_DATABASE_NAME_FORBIDDEN = frozenset('/\\. "$\x00')
-
-
-def _check_database_name(database: object) -> None:
-    if not isinstance(database, str) or not database:
-        raise ConfigError(f"database is required with a mongo_client: a name, got {describe_value(database)}")
-    if utf8_len(database) > _DATABASE_NAME_BYTES or _DATABASE_NAME_FORBIDDEN.intersection(database):
-        raise ConfigError(
-            f"database must be a MongoDB database name of 1..{_DATABASE_NAME_BYTES} bytes without any of "
-            f'/ \\ . space " $ or NUL, got {describe_value(database, 70)}'
-        )
-
-
 class Consumer:
     """A RabbitMQ consumer whose handlers may run in MongoDB transactions (docs/design.md, section 2).
 
     ``mongo_client`` is caller-owned unless ``owns_mongo_client=True``; it is
     never closed otherwise. ``database`` holds the inbox, lease and outbox
-    collections and is what ``MongoScope.database`` returns. ``telemetry``:
+    collections and is what ``MongoScope.database`` returns; ``inbox`` and
+    ``outbox`` are their options. ``telemetry``:
     traces and metrics through the OpenTelemetry API, on by default when it is
     installed (``False`` turns them off; a :class:`~lily_mongo.telemetry.Telemetry`
     chooses providers), see ``docs/observability.md``. ``lifespan``: a function of the
@@ -234,6 +220,7 @@ class Consumer:
         telemetry: bool | Telemetry = True,
         lifespan: Lifespan | None = None,
         mongo_check_timeout: float = 10.0,
+        outbox: OutboxOptions | None = None,
     ) -> None:
         check_amqp_url("amqp_url", amqp_url)
         if lifespan is not None and not callable(lifespan):
@@ -248,14 +235,26 @@ class Consumer:
                 f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}{hint}"
             )
         if mongo_client is None:
-            given_without = (("database", database), ("inbox", inbox), ("owns_mongo_client", owns_mongo_client))
+            given_without = (
+                ("database", database),
+                ("inbox", inbox),
+                ("outbox", outbox),
+                ("owns_mongo_client", owns_mongo_client),
+            )
             for field_name, given in given_without:
                 if given is not None and given is not False:
                     raise ConfigError(f"{field_name} needs a mongo_client, got {describe_value(given)} without one")
         else:
-            _check_database_name(database)
+            check_database_name("database", database)
         if inbox is not None and not isinstance(inbox, InboxOptions):
             raise ConfigError(f"inbox must be an InboxOptions, got {describe_value(inbox)}")
+        if outbox is not None and not isinstance(outbox, OutboxOptions):
+            raise ConfigError(f"outbox must be an OutboxOptions, got {describe_value(outbox)}")
+        inbox, outbox = inbox or InboxOptions(), outbox or OutboxOptions()
+        if inbox.records == outbox.collection:
+            raise ConfigError(
+                f"InboxOptions.records and OutboxOptions.collection must differ, both are {inbox.records!r:.60}"
+            )
         check_bool("owns_mongo_client", owns_mongo_client)
         self._settings = ConsumerSettings(
             name=name,
@@ -265,13 +264,14 @@ class Consumer:
             confirm_timeout=check_seconds("confirm_timeout", confirm_timeout, low=0, high=3600, low_inclusive=False),
             graceful_timeout=check_seconds("graceful_timeout", graceful_timeout, low=0, high=3600, low_inclusive=False),
             force_timeout=check_seconds("force_timeout", force_timeout, low=0, high=3600, low_inclusive=False),
-            inbox=inbox or InboxOptions(),
+            inbox=inbox,
             owns_mongo_client=owns_mongo_client,
             telemetry=resolve_telemetry(telemetry),
             lifespan=lifespan,
             mongo_check_timeout=check_seconds(
                 "mongo_check_timeout", mongo_check_timeout, low=0, high=600, low_inclusive=False
             ),
+            outbox=outbox,
         )
         self._builder = PlanBuilder(name=name, has_mongo=mongo_client is not None)
         self._outgoing: list[OutgoingMessage] = []
@@ -444,6 +444,11 @@ class ManagedConsumer:
         return self._engine.runtime if self._engine is not None else None
 
     @property
+    def _outbox(self) -> OutboxRuntime | None:
+        """The engine's outbox once built (for the library's own tests)."""
+        return self._engine.outbox if self._engine is not None else None
+
+    @property
     def ready(self) -> bool:
         """True while running with every consuming channel and the handoff channel open
         (False while starting, reconnecting, draining or stopped): a readiness probe."""
@@ -495,8 +500,8 @@ class ManagedConsumer:
         try:
             if engine is not None:
                 await engine.runtime.stop_intake()
-                if engine.relay is not None:
-                    await engine.relay.stop(1.0)
+                if engine.outbox is not None:
+                    await engine.outbox.stop(1.0)
             for task in self._tasks.pending():
                 task.cancel()
             await self._tasks.join(self._tasks.pending(), 5.0)
@@ -538,6 +543,11 @@ class ManagedConsumer:
         self._stop_requested.set()
         self._force_requested.set()
 
+    @property
+    def shutdown_requested(self) -> bool:
+        """True once a shutdown was requested (by a signal, :meth:`shutdown` or :meth:`request_shutdown`)."""
+        return self._stop_requested.is_set()
+
     def install_signal_handlers(self, loop: asyncio.AbstractEventLoop | None = None) -> Callable[[], None]:
         """SIGTERM/SIGINT: the first → graceful shutdown; one at least 1 s later → force (a burst counts
         once, docs/lifecycle.md section 8). Returns an uninstaller."""
@@ -545,6 +555,11 @@ class ManagedConsumer:
             self.request_shutdown, self.request_force, notice=graceful_notice(self._graceful_timeout)
         )
         return signals.install(loop)
+
+    @property
+    def queue_names(self) -> tuple[str, ...]:
+        """The plan's physical queues, in plan order (``QueueSnapshot.queue_index``)."""
+        return tuple(self.plan.queues)
 
     def snapshot(self) -> Snapshot:
         """Bounded aggregate state: counts only, never payloads, ids, names or endpoints."""
@@ -612,11 +627,13 @@ class ManagedConsumer:
                 return not still
 
             await steps.run("force", force)
-        if engine.relay is not None:
-            relay = engine.relay
+        if engine.outbox is not None:
+            outbox = engine.outbox
 
             async def relay_stop() -> bool:
-                return await relay.stop(self._force_timeout)
+                # Every delivery has settled: dispatch and mark what their commits handed over, then
+                # stop the relay after its batch.
+                return await outbox.stop(self._force_timeout)
 
             await steps.run("relay_stop", relay_stop)
 

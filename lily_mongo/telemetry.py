@@ -17,9 +17,10 @@ What is emitted follows the OpenTelemetry messaging semantic conventions:
 * ``INTERNAL`` child spans for the inbox steps (``inbox claim``, ``inbox
   attempt`` per attempt, ``inbox commit``, ``inbox reconcile``);
 * a ``PRODUCER`` span for every publish (:class:`~lily_mongo.Publisher`, retry
-  and DLQ hand-offs, the outbox relay) that writes its own ``traceparent`` into
-  the message. An outbox record stores the ``traceparent`` of the attempt that
-  wrote it, and the relay's span is that context's child: the relayed event
+  and DLQ hand-offs, the outbox's dispatcher and relay) that writes its own
+  ``traceparent`` into the message. An outbox record stores the ``traceparent``
+  of the attempt that wrote it, and its publish span (the dispatcher's right
+  after the commit, or the backstop relay's) is that context's child: the event
   stays in the trace of the delivery that caused it;
 * histograms recorded per delivery (``messaging.process.duration``,
   ``lily.handler.duration``, ``lily.outbox.relay.lag``) and observable
@@ -378,15 +379,19 @@ class Telemetry:
             if "tracestate" in context:
                 options["tracestate"] = context["tracestate"]
 
-    def relay_publish(self, send: Send, record: Mapping[str, Any]) -> Awaitable[None]:
-        """A ``PRODUCER`` span, child of the context the record stored (the attempt that wrote it)."""
+    def relay_publish(self, send: Send, record: Mapping[str, Any], *, via: str = "relay") -> Awaitable[None]:
+        """A ``PRODUCER`` span, child of the context the record stored (the attempt that wrote it).
+
+        ``via`` (``dispatch`` or ``relay``) is its ``lily.publish``. The relay lag runs from the
+        commit (known to the dispatcher) or, for the backstop relay, from the record's creation.
+        """
         return self.produce(
             send,
             exchange=record["exchange"],
             routing_key=record["routing_key"],
             headers=record["headers"],
-            operation="relay",
-            enqueued_at=record.get("created_at"),
+            operation=via,
+            enqueued_at=record.get("committed_at") or record.get("created_at"),
         )
 
     def publish(
@@ -453,9 +458,9 @@ class Telemetry:
             span.end()
         self._instruments.sent.add(1, {"messaging.system": SYSTEM, "lily.publish": operation})
         if enqueued_at is not None:
-            lag = (datetime.datetime.now(datetime.UTC) - _aware(enqueued_at)).total_seconds()
-            self._instruments.relay_lag.record(max(lag, 0.0), {"messaging.system": SYSTEM})
-            self.relay_lag.record((), max(lag, 0.0))
+            lag = max((datetime.datetime.now(datetime.UTC) - _aware(enqueued_at)).total_seconds(), 0.0)
+            self._instruments.relay_lag.record(lag, {"messaging.system": SYSTEM, "lily.publish": operation})
+            self.relay_lag.record((("path", operation),), lag)
 
 
 class DeliveryTrace:

@@ -4,7 +4,8 @@
 same engine a started consumer uses (envelope validation, dispatch, extractors,
 middleware and guards, the inbox protocol against the consumer's MongoDB, the
 settlement loop); only the AMQP transport is replaced. What would have been
-published (retry copies, DLQ copies, outbox messages) is recorded in
+published (retry copies, DLQ copies, outbox messages: dispatched right after
+their commit, as a started consumer does) is recorded in
 :attr:`TestConsumer.published`::
 
     async with TestConsumer(consumer) as tc:
@@ -166,6 +167,11 @@ class TestConsumer:
     resources are the handlers' ``Resource`` values. With ``raise_handler_errors=True`` a
     delivery whose handler raised an unexpected exception (anything but
     ``QueueHandlerError``) re-raises it from ``publish_*``, once the delivery has settled.
+
+    A committed attempt's outbox records go to the consumer's own dispatcher, whose send
+    records them in :attr:`published`; each ``publish_*`` returns once they are published
+    and marked. With ``relay_outbox=False`` no dispatcher runs: the records stay in the
+    outbox collection until :meth:`relay_outbox` publishes them as the backstop relay would.
     """
 
     __test__ = False  # not a pytest test class
@@ -208,7 +214,7 @@ class TestConsumer:
         except BaseException:
             await self._lifespan.aclose()
             raise
-        self._engine.open_in_process()
+        self._engine.open_in_process(self._tasks, self._record_outbox if self._relay_outbox else None)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -287,11 +293,18 @@ class TestConsumer:
     # -- what the broker would do next -------------------------------------------------------
 
     async def relay_outbox(self) -> int:
-        """Publish every committed outbox record (recorded in :attr:`published`); returns how many."""
-        relay = self._engine.relay if self._engine is not None else None
-        if relay is None:
+        """Publish every committed outbox record (recorded in :attr:`published`); returns how many.
+
+        What the dispatcher was handed is published and marked first; then the backstop relay's
+        batches take whatever else is due (records written with ``relay_outbox=False``, or whose
+        dispatch failed and whose backoff has passed)."""
+        outbox = self._engine.outbox if self._engine is not None else None
+        if outbox is None:
             return 0
-        return await relay.drain(self._record_outbox)
+        before = outbox.counters.published
+        await outbox.dispatched()
+        await outbox.relay.drain(self._record_outbox)
+        return outbox.counters.published - before
 
     async def deliver_retries(self) -> list[DeliveryResult]:
         """Deliver the retry copies recorded so far to their queues, without the buckets' delays."""

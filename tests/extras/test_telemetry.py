@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import uuid
 from collections.abc import Iterator
 from types import MappingProxyType, SimpleNamespace
@@ -240,7 +241,7 @@ def fake_consumer(telemetry: Telemetry | None) -> Any:
     snapshot = Snapshot("running", 1, (queue,), outbox_pending=6, outbox_failed=0, outbox_published=9)
     return SimpleNamespace(
         snapshot=lambda: snapshot,
-        plan=SimpleNamespace(queues={"orders.created": object()}),
+        queue_names=("orders.created",),
         ready=True,
         state="running",
         telemetry=telemetry,
@@ -280,6 +281,7 @@ def test_metrics_exposition_reads_the_snapshot_and_the_histograms(telemetry: Tel
     assert value(histogram, f"{histogram}_bucket", le="0.025", **labels) == 2
     assert value(histogram, f"{histogram}_bucket", le="+Inf", **labels) == 3
     assert "# HELP lily_deliveries_total Deliveries by queue and terminal outcome." in text
+    assert "lily_outbox_relay_lag_seconds" in text
     assert "# TYPE messaging_process_duration_seconds histogram" in text
 
 
@@ -309,3 +311,26 @@ async def test_probes_answer_from_the_consumer_state() -> None:
     await asyncio.sleep(0)
     assert (await server._healthz(None)).status == 503  # type: ignore[arg-type]
     await server.stop()
+
+
+def test_an_outbox_publish_records_its_lag_by_path_from_the_commit_or_the_creation(telemetry: Telemetry) -> None:
+    """The relay lag runs from the commit the dispatcher knows, else (the backstop relay) from the record's creation."""
+    publication = prepare_publication(JSON, "orders.confirmed", {"n": 1}, version=1)
+    now = datetime.datetime.now(datetime.UTC)
+    record = {"exchange": "", "routing_key": "orders.confirmed", "headers": publication.headers}
+    sent: list[dict[str, Any]] = []
+
+    async def send(headers: dict[str, Any]) -> None:
+        sent.append(headers)
+
+    dispatched = {**record, "created_at": now - datetime.timedelta(seconds=60), "committed_at": now}
+    asyncio.run(telemetry.relay_publish(send, dispatched, via="dispatch"))
+    relayed = {**record, "created_at": now - datetime.timedelta(seconds=2)}
+    asyncio.run(telemetry.relay_publish(send, relayed, via="relay"))
+    assert len(sent) == 2
+    [series] = [h for h in telemetry.histograms() if h.name == "lily_outbox_relay_lag_seconds"]
+    by_path = {dict(data.labels)["path"]: data for data in series.data()}
+    assert set(by_path) == {"dispatch", "relay"}
+    assert by_path["dispatch"].count == 1
+    assert by_path["dispatch"].total < 1.0  # from the commit, not from the creation a minute earlier
+    assert 2.0 <= by_path["relay"].total < 3.0

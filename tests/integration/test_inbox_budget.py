@@ -21,7 +21,7 @@ import aio_pika
 import pytest
 from pymongo import AsyncMongoClient, monitoring
 
-from lily_mongo import Consumer, EventId, InboxOptions, Json, MongoScope, Publisher, RetryPolicy, queue
+from lily_mongo import Consumer, EventId, InboxOptions, Json, MongoScope, OutboxOptions, Publisher, RetryPolicy, queue
 from tests.support import BrokerNames, eventually, outcomes, running
 
 # Driver housekeeping that no delivery sends.
@@ -93,7 +93,8 @@ def budget_consumer(amqp: str, client: AsyncMongoClient[Any], database: str, q: 
         mongo_client=client,
         database=database,
         name="budget",
-        inbox=InboxOptions(run_relay=False, lease_seconds=300, **inbox),
+        inbox=InboxOptions(lease_seconds=300, **inbox),
+        outbox=OutboxOptions(run_relay=False),
     )
     consumer.configure_queue(q, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=1, delays=(0.2,)))
     consumer.include(writes)

@@ -1,10 +1,11 @@
-"""The transactional outbox and its relay against the real broker and the MongoDB-wire server (docs/outbox.md).
+"""The transactional outbox against the real broker and the MongoDB-wire server (docs/outbox.md).
 
 A handler stages messages with ``mongo.outbox.publish_*``: the record commits with
-the handler's writes or not at all, and the relay publishes committed records
-mandatory with confirms, marks them ``published`` (TTL retention), retries with
-backoff and parks a record as ``failed`` after ``max_attempts``. Every test
-asserts the outbox documents and what the downstream queue holds.
+the handler's writes or not at all. The consumer's dispatcher publishes a committed
+attempt's records right after the commit, mandatory with confirms, and marks them
+``published`` (TTL retention); a failed publish releases the record to the backstop
+relay, which retries with backoff and parks it as ``failed`` after ``max_attempts``.
+Every test asserts the outbox documents and what the downstream queue holds.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ from lily_mongo import (
     Consumer,
     DeliveryContext,
     EventId,
-    InboxOptions,
     Json,
     MongoScope,
+    OutboxOptions,
     QueueHandlerError,
-    RelayOptions,
     RetryPolicy,
     queue,
 )
@@ -49,7 +49,7 @@ from tests.support import (
 
 OUTBOX = "lily_outbox"
 EFFECTS = "effects"
-FAST_RELAY = RelayOptions(poll_interval=0.1)
+FAST = OutboxOptions(poll_interval=0.1, count_interval=0.1)
 SEVEN_DAYS = 7 * 24 * 3600.0
 
 
@@ -60,7 +60,7 @@ def outbox_consumer(
     broker: Broker, mongodb: MongoDB, q: str, handler: Callable[..., Awaitable[None]], **options: Any
 ) -> Consumer:
     """A consumer of ``q`` with an inbox and a fast relay (one permit; retry copies stay parked in their bucket)."""
-    options.setdefault("inbox", InboxOptions(relay=FAST_RELAY))
+    options.setdefault("outbox", FAST)
     defaults = {"concurrency": 1, "prefetch": 4, "retry": RetryPolicy(max_retries=1, delays=(30,))}
     return broker.consumer(
         q,
@@ -79,7 +79,7 @@ async def source_and_downstream(broker: Broker, base: str) -> tuple[str, str]:
 
 
 def outbox_record(routing_key: str, payload: Any, **fields: Any) -> dict[str, Any]:
-    """A pending record shaped like the ones ``Outbox.publish`` writes (for relays run directly)."""
+    """A pending, unclaimed record shaped like the ones an outbox writer inserts (for relays run directly)."""
     publication = prepare_publication(JSON, routing_key, payload, version=1)
     now = datetime.datetime.now(datetime.UTC)
     record: dict[str, Any] = {
@@ -95,6 +95,7 @@ def outbox_record(routing_key: str, payload: Any, **fields: Any) -> dict[str, An
         "attempts": 0,
         "created_at": now,
         "available_at": now,
+        "seq": 0,
     }
     record.update(fields)
     return record
@@ -164,8 +165,12 @@ async def test_committed_record_is_published_with_canonical_headers_and_marked(
         envelope = validate_envelope(message.headers, len(message.body))
         assert (envelope.event_id, envelope.schema_version) == (event, int(version))
 
-    records = await mongodb.db[OUTBOX].find({}).to_list()
-    assert sorted(r["event_id"] for r in records) == sorted([str(generated), str(given)])
+    records = await mongodb.db[OUTBOX].find({}).sort("seq", 1).to_list()
+    assert [r["event_id"] for r in records] == [str(generated), str(given)]  # seq is the write order
+    assert [r["seq"] for r in records] == [0, 1]
+    # Born claimed by the consumer's dispatcher, published by it: no relay ever claimed them.
+    assert len({(r["claim_owner"], r["claim_token"]) for r in records}) == 1
+    assert records[0]["claim_owner"].startswith("outbox-test:")
     for record in records:
         assert record["status"] == "published"
         assert record["handler"] == f"{q}/relay"
@@ -259,8 +264,8 @@ async def test_unroutable_record_is_retried_then_parked_as_failed(broker: Broker
     async def handle(event_id: EventId, mongo: MongoScope) -> None:
         await mongo.outbox.publish_json(nowhere, {"from": str(event_id)}, version=1)
 
-    options = InboxOptions(relay=RelayOptions(max_attempts=2, backoff_base=0.05, poll_interval=0.1))
-    consumer = outbox_consumer(broker, mongodb, q, handle, inbox=options)
+    options = OutboxOptions(max_attempts=2, backoff_base=0.05, poll_interval=0.1, count_interval=0.1)
+    consumer = outbox_consumer(broker, mongodb, q, handle, outbox=options)
     outbox = mongodb.db[OUTBOX]
     async with running(consumer, expect_clean=False) as managed:
         await broker.publish(q, {"n": 1})
@@ -291,8 +296,8 @@ async def test_an_unroutable_destination_is_logged_once_by_name_and_counted(
     async def handle(event_id: EventId, mongo: MongoScope) -> None:
         await mongo.outbox.publish_json(nowhere, {"from": str(event_id)}, version=1)
 
-    relay = RelayOptions(max_attempts=4, backoff_base=0.02, backoff_max=0.05, poll_interval=0.05)
-    consumer = outbox_consumer(broker, mongodb, q, handle, inbox=InboxOptions(relay=relay))
+    relay = OutboxOptions(max_attempts=4, backoff_base=0.02, backoff_max=0.05, poll_interval=0.05)
+    consumer = outbox_consumer(broker, mongodb, q, handle, outbox=relay)
     outbox = mongodb.db[OUTBOX]
     caplog.set_level("WARNING", logger="lily_mongo")
     async with running(consumer, expect_clean=False) as managed:
@@ -371,8 +376,8 @@ async def test_a_record_for_a_missing_exchange_does_not_stall_the_relay(broker: 
         exchange = missing if order["bad"] else ""
         staged[order["name"]] = await mongo.outbox.publish_json(down, order, version=1, exchange=exchange)
 
-    options = InboxOptions(relay=RelayOptions(max_attempts=2, backoff_base=0.05, poll_interval=0.1))
-    consumer = outbox_consumer(broker, mongodb, q, handle, inbox=options)
+    options = OutboxOptions(max_attempts=2, backoff_base=0.05, poll_interval=0.1, count_interval=0.1)
+    consumer = outbox_consumer(broker, mongodb, q, handle, outbox=options)
     outbox = mongodb.db[OUTBOX]
     async with running(consumer, expect_clean=False) as managed:
         await broker.publish(q, {"name": "bad", "bad": True})
@@ -428,7 +433,7 @@ async def test_a_malformed_record_is_a_failed_attempt_and_the_relay_goes_on(mong
     await outbox.insert_one(broken)
     good = outbox_record(down, {"n": 1}, available_at=broken["available_at"] + datetime.timedelta(milliseconds=1))
     await outbox.insert_one(good)
-    relay = OutboxRelay(outbox, RelayOptions(max_attempts=1, poll_interval=0.05, backoff_base=0.05), "relay-a")
+    relay = OutboxRelay(outbox, OutboxOptions(max_attempts=1, poll_interval=0.05, backoff_base=0.05), "relay-a")
     async with relays_running(broker.connection, [relay]) as tasks:
         await broker.wait_for_depth(down, 1)
 
@@ -453,7 +458,7 @@ async def test_two_relays_publish_every_record_exactly_once(mongodb: MongoDB, br
     outbox = mongodb.db[OUTBOX]
     records = [outbox_record(down, {"n": i}) for i in range(12)]
     await outbox.insert_many(records)
-    relays = [OutboxRelay(outbox, RelayOptions(poll_interval=0.05), f"relay-{i}") for i in range(2)]
+    relays = [OutboxRelay(outbox, OutboxOptions(poll_interval=0.05), f"relay-{i}") for i in range(2)]
     async with relays_running(broker.connection, relays):
 
         async def all_published() -> bool:
@@ -489,7 +494,7 @@ async def test_expired_claim_is_taken_over_and_a_live_claim_is_respected(mongodb
         down, {"n": "held"}, claim_owner="alive", claim_token="t2", claim_expires=now + datetime.timedelta(hours=1)
     )
     await outbox.insert_many([crashed, held])
-    relay = OutboxRelay(outbox, RelayOptions(poll_interval=0.05), "relay-new")
+    relay = OutboxRelay(outbox, OutboxOptions(poll_interval=0.05), "relay-new")
     async with relays_running(broker.connection, [relay]):
 
         async def taken_over() -> bool:
@@ -549,31 +554,41 @@ async def test_graceful_shutdown_stops_the_relay_and_leaves_pending_records(brok
     assert await broker.depth(down) == 0
 
 
-async def test_run_relay_false_leaves_records_pending_for_another_relay(broker: Broker, mongodb: MongoDB) -> None:
-    q, down = await source_and_downstream(broker, "norelay")
+async def test_run_relay_false_dispatches_but_leaves_a_failed_record_for_another_relay(
+    broker: Broker, mongodb: MongoDB
+) -> None:
+    q = broker.queue("norelay")
+    down = broker.queue("norelay-down")  # not declared yet: the dispatch is returned as unroutable
     staged: list[uuid.UUID] = []
 
     @queue(q, version=1, content="json")
     async def handle(event_id: EventId, mongo: MongoScope) -> None:
         staged.append(await mongo.outbox.publish_json(down, {"from": str(event_id)}, version=1))
 
-    options = InboxOptions(run_relay=False, relay=FAST_RELAY)
-    consumer = outbox_consumer(broker, mongodb, q, handle, inbox=options)
+    options = OutboxOptions(run_relay=False, poll_interval=0.1, backoff_base=0.05, backoff_max=0.05, mark_interval=0)
+    consumer = outbox_consumer(broker, mongodb, q, handle, outbox=options)
     outbox = mongodb.db[OUTBOX]
+
+    async def attempted() -> bool:
+        return await outbox.count_documents({"attempts": 1}) == 1
+
     async with running(consumer, expect_clean=False) as managed:
         await broker.publish(q, {"n": 1})
         await eventually(lambda: outcomes(managed) == ["acked"], what="the delivery", interval=0.05)
-        await asyncio.sleep(0.5)  # what would be several relay polls
+        await eventually(attempted, what="the failed dispatch recorded", interval=0.05)
+        await broker.declare(down)
+        await asyncio.sleep(0.5)  # several of a relay's polls, and its backoff, pass: nobody retries here
         assert managed.snapshot().outbox_published == 0
+        assert managed.snapshot().outbox_unroutable == 1
         assert await broker.depth(down) == 0
     report = await managed.shutdown()
     assert report.succeeded is True, report.render()
     [record] = await outbox.find({}).to_list()
-    assert (record["status"], record["attempts"], record["event_id"]) == ("pending", 0, str(staged[-1]))
-    assert "claim_owner" not in record
-    assert await broker.depth(down) == 0
+    assert (record["status"], record["attempts"], record["event_id"]) == ("pending", 1, str(staged[-1]))
+    assert record["last_error"] == "publish unroutable"
+    assert "claim_expires" not in record  # released by the failed dispatch
     # A relay run elsewhere picks it up.
-    relay = OutboxRelay(outbox, RelayOptions(poll_interval=0.05), "relay-elsewhere")
+    relay = OutboxRelay(outbox, OutboxOptions(poll_interval=0.05), "relay-elsewhere")
     async with relays_running(broker.connection, [relay]):
         await eventually(lambda: relay.published == 1, what="the relay elsewhere", interval=0.05)
     assert event_ids(await broker.drain(down)) == [str(staged[-1])]
@@ -597,8 +612,8 @@ async def test_outbox_body_over_the_bound_raises_config_error_in_the_handler(bro
         else:
             await mongo.outbox.publish_text(down, order["fill"] * 65, version=1)
 
-    options = InboxOptions(outbox_max_body=64, relay=FAST_RELAY)
-    consumer = outbox_consumer(broker, mongodb, q, handle, inbox=options, unknown_errors="permanent")
+    options = OutboxOptions(max_body=64, poll_interval=0.1)
+    consumer = outbox_consumer(broker, mongodb, q, handle, outbox=options, unknown_errors="permanent")
     outbox = mongodb.db[OUTBOX]
     async with running(consumer, expect_clean=False) as managed:
         await broker.publish(q, {"fill": "a", "catch": True})

@@ -32,9 +32,12 @@ from lily_mongo import (
     InboxOptions,
     Json,
     MongoScope,
+    Outbox,
+    OutboxOptions,
+    OutboxTransaction,
     Publisher,
     QueueHandlerError,
-    RelayOptions,
+    Relay,
     RetryPolicy,
     queue,
 )
@@ -262,13 +265,21 @@ async def test_an_outbox_event_arrives_in_the_trace_of_the_delivery_that_wrote_i
         await mongo.database["effects"].insert_one({"_id": str(event_id)}, session=mongo.session)
         await mongo.outbox.publish_json(down, {"order": order["n"]}, version=1)
 
-    inbox = InboxOptions(relay=RelayOptions(poll_interval=0.1), claim_in_transaction=claim_in_transaction)
+    inbox = InboxOptions(claim_in_transaction=claim_in_transaction)
     consumer = consumer_for(
-        broker, q, handle, telemetry=telemetry, name="telemetry-outbox", mongodb=mongodb, inbox=inbox, **ONE_AT_A_TIME
+        broker,
+        q,
+        handle,
+        telemetry=telemetry,
+        name="telemetry-outbox",
+        mongodb=mongodb,
+        inbox=inbox,
+        outbox=OutboxOptions(poll_interval=0.1),
+        **ONE_AT_A_TIME,
     )
     async with running(consumer) as managed:
         await publish(broker, q, {"n": 7}, traceparent=TRACEPARENT)
-        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the outbox record relayed")
+        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the outbox record dispatched")
         assert await broker.wait_for_depth(down, 1) == 1
     (event,) = await broker.drain(down)
 
@@ -278,7 +289,10 @@ async def test_an_outbox_event_arrives_in_the_trace_of_the_delivery_that_wrote_i
     assert len(spans_of(sdk, name="inbox claim")) == len(claims)
     attempt = one(spans_of(sdk, name="inbox attempt"))
     commit = one(spans_of(sdk, name="inbox commit"))
-    relay = one([s for s in spans_of(sdk, SpanKind.PRODUCER) if dict(s.attributes or {})["lily.publish"] == "relay"])
+    # Published by the consumer's dispatcher right after the commit (no relay publish).
+    producers = [dict(s.attributes or {})["lily.publish"] for s in spans_of(sdk, SpanKind.PRODUCER)]
+    assert "relay" not in producers
+    relay = one([s for s in spans_of(sdk, SpanKind.PRODUCER) if dict(s.attributes or {})["lily.publish"] == "dispatch"])
     trace_id = int(TRACE_ID, 16)
     assert {s.context.trace_id for s in (delivery, *claims, attempt, commit, relay)} == {trace_id}
     for claim in claims:
@@ -298,6 +312,37 @@ async def test_an_outbox_event_arrives_in_the_trace_of_the_delivery_that_wrote_i
     record = await mongodb.db["lily_outbox"].find_one({})
     assert record is not None
     assert record["headers"]["traceparent"] == hex_traceparent(attempt)
+
+
+async def test_an_event_written_outside_a_handler_and_relayed_stays_in_the_writers_trace(
+    broker: Broker, mongodb: MongoDB, sdk: Sdk, telemetry: Telemetry
+) -> None:
+    # Outbox.transaction inside a request's span, no dispatcher: the backstop relay publishes the
+    # record later, as a child of the context the record stored, and records its lag on the relay path.
+    down = await broker.declare(broker.queue("down"))
+    outbox = Outbox(mongodb.client, mongodb.name, telemetry=telemetry)
+
+    async def write(tx: OutboxTransaction) -> None:
+        await tx.publish_json(down, {"n": 1}, version=1)
+
+    tracer = sdk.tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("POST /orders"):
+        await outbox.transaction(write)
+    relay = Relay(
+        mongodb.client, mongodb.name, amqp_url=broker.url, options=OutboxOptions(poll_interval=0.1), telemetry=telemetry
+    )
+    async with relay:
+        assert await broker.wait_for_depth(down, 1) == 1
+    (event,) = await broker.drain(down)
+    request = one(spans_of(sdk, name="POST /orders"))
+    publish = one(spans_of(sdk, SpanKind.PRODUCER))
+    assert dict(publish.attributes or {})["lily.publish"] == "relay"
+    assert parent_id(publish) == request.context.span_id
+    assert publish.context.trace_id == request.context.trace_id
+    # The same trace and span ids (the flags are the request span's own: a root span may set more than "sampled").
+    assert event.headers["traceparent"][:52] == hex_traceparent(publish)[:52]
+    [series] = [h for h in telemetry.histograms() if h.name == "lily_outbox_relay_lag_seconds"]
+    assert [dict(d.labels) for d in series.data() if d.count] == [{"path": "relay"}]
 
 
 async def test_an_inbox_replay_is_one_attempt_span_each_with_the_counts(

@@ -5,6 +5,7 @@ Every consumer here points at a closed AMQP port: a test passing proves the brok
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -74,6 +75,32 @@ async def test_a_valid_event_is_acked_applied_once_and_its_copy_is_a_duplicate(t
     assert confirmed.routing_key == "orders.confirmed"
     assert confirmed.headers["x-lily-schema-version"] == "1"
     assert confirmed.body == b'{"order_id":"o1"}'
+
+
+async def test_outbox_messages_go_through_the_dispatch_after_commit_and_are_marked(tc: TestConsumer) -> None:
+    # Recorded by the consumer's own dispatcher once the attempt committed, before publish_json returned;
+    # the record is marked published, born claimed by that dispatcher (no relay claimed it).
+    result = await tc.publish_json("orders", {"order_id": "o9", "total": 2}, version=1)
+    assert result.outcome == "acked"
+    [confirmed] = [m for m in tc.published if m.kind == "outbox"]
+    [record] = await tc.database["lily_outbox"].find({}).to_list()
+    assert record["event_id"] == confirmed.event_id
+    assert (record["status"], record["attempts"], record["handler"]) == ("published", 0, "orders.v1")
+    assert record["claim_owner"].startswith("orders:test:")
+    assert await tc.relay_outbox() == 0  # nothing left for a relay
+
+
+async def test_without_a_dispatcher_records_wait_for_relay_outbox(mongodb: MongoDB) -> None:
+    async with TestConsumer(orders_consumer(mongodb, apply_order), relay_outbox=False) as tc:
+        for n in range(3):
+            assert (await tc.publish_json("orders", {"order_id": f"o{n}", "total": 1}, version=1)).outcome == "acked"
+        assert [m for m in tc.published if m.kind == "outbox"] == []
+        assert await tc.database["lily_outbox"].count_documents({"status": "pending", "claim_owner": None}) == 3
+        assert await tc.relay_outbox() == 3
+        outbox = [m for m in tc.published if m.kind == "outbox"]
+        assert [json.loads(m.body)["order_id"] for m in outbox] == ["o0", "o1", "o2"]  # in commit order
+        assert await tc.database["lily_outbox"].count_documents({"status": "published"}) == 3
+        assert await tc.relay_outbox() == 0
 
 
 async def test_a_permanent_failure_is_dead_lettered_with_its_code_and_the_copy_is_inspectable(tc: TestConsumer) -> None:

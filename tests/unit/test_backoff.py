@@ -19,10 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lily_mongo import _outbox_protocol as protocol
 from lily_mongo import runtime
 from lily_mongo._backoff import backoff
 from lily_mongo.errors import PublishError
-from lily_mongo.outbox import OutboxRelay, RelayOptions
+from lily_mongo.outbox import OutboxCounters, OutboxOptions
 from lily_mongo.settlement import Budget, Evidence, Execution, HandoffState, Outcome, PipelineResult
 
 FAST = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,32 +106,28 @@ def test_the_requeue_pause_is_cut_to_the_lease_and_to_the_cooperation_window(mon
 # -- an outbox record's next attempt ----------------------------------------------------------------
 
 
-class Collection:
-    """Records the updates the relay writes (no server)."""
-
-    def __init__(self) -> None:
-        self.updates: list[dict[str, Any]] = []
-
-    async def update_one(self, _filter: dict[str, Any], update: dict[str, Any]) -> None:
-        self.updates.append(update)
-
-
 @pytest.mark.parametrize("attempts", [0, 1, 4, 30])
 def test_an_outbox_record_waits_the_capped_exponential_step_before_its_next_attempt(attempts: int) -> None:
-    collection = Collection()
-    options = RelayOptions(backoff_base=0.5, backoff_max=60.0, max_attempts=1000)
-    relay = OutboxRelay(collection, options, "relay-a")  # type: ignore[arg-type]
-
-    async def refuse(**_message: Any) -> None:
-        raise PublishError("nacked", "refused")
-
-    record = {"_id": "r", "claim_token": "t", "exchange": "", "routing_key": "q", "body": b"", "headers": {}}
+    options = OutboxOptions(backoff_base=0.5, backoff_max=60.0, max_attempts=1000)
+    counters = OutboxCounters(options)
+    record = {"_id": "r", "claim_token": "t", "exchange": "", "routing_key": "q", "attempts": attempts}
     step = min(0.5 * 2**attempts, 60.0)  # the record's attempts so far, before this one failed
     for _ in range(20):
-        before = datetime.datetime.now(datetime.UTC)
-        asyncio.run(relay._publish({**record, "attempts": attempts}, refuse))
-        after = datetime.datetime.now(datetime.UTC)
-        update = collection.updates.pop()["$set"]
+        now = datetime.datetime.now(datetime.UTC)
+        failure = counters.failure(record, PublishError("nacked", "refused"))
+        update = protocol.failure_update(failure, now)["$set"]
         assert update["attempts"] == attempts + 1
-        assert before + datetime.timedelta(seconds=step / 2) <= update["available_at"]
-        assert update["available_at"] <= after + datetime.timedelta(seconds=step)
+        assert update["status"] == "pending"
+        assert update["last_error"] == "publish nacked"
+        assert now + datetime.timedelta(seconds=step / 2) <= update["available_at"]
+        assert update["available_at"] <= now + datetime.timedelta(seconds=step)
+
+
+def test_an_outbox_record_is_parked_as_failed_at_its_last_attempt() -> None:
+    counters = OutboxCounters(OutboxOptions(max_attempts=3))
+    refused = PublishError("unroutable", "nowhere")
+    assert counters.failure({"attempts": 1}, refused).parked is False
+    parked = counters.failure({"attempts": 2}, refused)
+    assert (parked.attempts, parked.parked) == (3, True)
+    assert protocol.failure_update(parked, datetime.datetime.now(datetime.UTC))["$set"]["status"] == "failed"
+    assert counters.unroutable == 2

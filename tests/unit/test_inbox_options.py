@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from lily_mongo import ConfigError, InboxOptions, RelayOptions
+from lily_mongo import ConfigError, InboxOptions
 
 
 @pytest.mark.parametrize(
@@ -25,15 +25,10 @@ from lily_mongo import ConfigError, InboxOptions, RelayOptions
         ({"backoff_base": -1}, ("InboxOptions.backoff_base", "-1", "> 0")),
         ({"backoff_max": 0}, ("InboxOptions.backoff_max", "0", "> 0")),
         ({"backoff_base": 2.0, "backoff_max": 1.0}, ("InboxOptions.backoff_base", "2.0", "<= backoff_max (1)")),
-        ({"outbox_max_body": 0}, ("InboxOptions.outbox_max_body", "0", "1..16777216")),
         ({"records": ""}, ("InboxOptions.records", "1..120 bytes")),
         ({"records": "a$b"}, ("InboxOptions.records", "a$b")),
-        ({"outbox": "x" * 121}, ("InboxOptions.outbox", "1..120 bytes")),
-        ({"records": "same", "outbox": "same"}, ("InboxOptions.records", "must differ", "same")),
         ({"passive_indexes": "yes"}, ("InboxOptions.passive_indexes", "yes")),
-        ({"run_relay": 1}, ("InboxOptions.run_relay",)),
         ({"claim_in_transaction": "no"}, ("InboxOptions.claim_in_transaction", "no")),
-        ({"relay": {"poll_interval": 1}}, ("InboxOptions.relay", "RelayOptions", "dict")),
     ],
 )
 def test_a_value_out_of_bounds_is_refused_naming_field_value_and_bound(
@@ -47,7 +42,7 @@ def test_a_value_out_of_bounds_is_refused_naming_field_value_and_bound(
 
 def test_the_defaults_and_the_bounds_themselves_are_accepted() -> None:
     options = InboxOptions()
-    assert (options.records, options.outbox, options.lease_seconds) == ("lily_inbox", "lily_outbox", 30.0)
+    assert (options.records, options.lease_seconds) == ("lily_inbox", 30.0)
     assert options.heartbeat_seconds == pytest.approx(10.0)  # a third of the lease
     edge = InboxOptions(
         lease_seconds=0.05,
@@ -58,7 +53,5 @@ def test_the_defaults_and_the_bounds_themselves_are_accepted() -> None:
         commit_retries=100,
         backoff_base=1.0,
         backoff_max=1.0,
-        outbox_max_body=16 * 1024 * 1024,
-        relay=RelayOptions(),
     )
     assert edge.lease_seconds == 0.05

@@ -14,8 +14,19 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient
 
-from lily_mongo import ConfigError, Consumer, CustomPublishContent, InboxOptions, Publisher, RelayOptions, queue
-from lily_mongo.outbox import Outbox
+from lily_mongo import (
+    ConfigError,
+    Consumer,
+    CustomPublishContent,
+    InboxOptions,
+    Outbox,
+    OutboxOptions,
+    OutboxTransaction,
+    Publisher,
+    Relay,
+    queue,
+)
+from lily_mongo.outbox import OutboxWriter
 from lily_mongo.plan import QueueOptions
 from lily_mongo.publisher import prepare_publication
 
@@ -32,28 +43,116 @@ def refused(make: Callable[[], object], *parts: str) -> None:
 @pytest.mark.parametrize(
     ("options", "parts"),
     [
-        ({"poll_interval": -1}, ("RelayOptions.poll_interval", "-1", "0.01..3600")),
-        ({"poll_interval": 0}, ("RelayOptions.poll_interval", "0", "0.01..3600")),
-        ({"poll_interval": float("nan")}, ("RelayOptions.poll_interval", "nan", "finite")),
-        ({"claim_seconds": 0}, ("RelayOptions.claim_seconds", "0", "0.1..86400")),
-        ({"max_attempts": 0}, ("RelayOptions.max_attempts", "0", "1..1000")),
-        ({"max_attempts": 2.5}, ("RelayOptions.max_attempts", "2.5", "1..1000")),
-        ({"max_attempts": True}, ("RelayOptions.max_attempts", "True", "1..1000")),
-        ({"backoff_base": 0}, ("RelayOptions.backoff_base", "0", "0.001..3600")),
-        ({"backoff_base": 2.0, "backoff_max": 1.0}, ("RelayOptions.backoff_max", "1.0", ">= backoff_base (2.0)")),
-        ({"published_retention": 59}, ("RelayOptions.published_retention", "59", "60..31622400")),
+        ({"collection": ""}, ("OutboxOptions.collection", "1..120 bytes", "''")),
+        ({"collection": "a$b"}, ("OutboxOptions.collection", "a$b")),
+        ({"collection": "x" * 121}, ("OutboxOptions.collection", "1..120 bytes")),
+        ({"max_body": 0}, ("OutboxOptions.max_body", "0", "1..16777216")),
+        ({"max_body": 16 * 1024 * 1024 + 1}, ("OutboxOptions.max_body", "16777217", "1..16777216")),
+        ({"batch_size": 0}, ("OutboxOptions.batch_size", "0", "1..1000")),
+        ({"batch_size": 1001}, ("OutboxOptions.batch_size", "1001", "1..1000")),
+        ({"poll_interval": -1}, ("OutboxOptions.poll_interval", "-1", "0.01..3600")),
+        ({"poll_interval": 0}, ("OutboxOptions.poll_interval", "0", "0.01..3600")),
+        ({"poll_interval": float("nan")}, ("OutboxOptions.poll_interval", "nan", "finite")),
+        ({"claim_seconds": 0}, ("OutboxOptions.claim_seconds", "0", "0.1..86400")),
+        ({"mark_interval": -0.1}, ("OutboxOptions.mark_interval", "-0.1", "0..60")),
+        ({"mark_interval": 61, "claim_seconds": 600}, ("OutboxOptions.mark_interval", "61", "0..60")),
+        ({"claim_seconds": 1.0}, ("OutboxOptions.mark_interval", "1.0", "half of claim_seconds (1.0)")),
+        ({"max_attempts": 0}, ("OutboxOptions.max_attempts", "0", "1..1000")),
+        ({"max_attempts": 2.5}, ("OutboxOptions.max_attempts", "2.5", "1..1000")),
+        ({"max_attempts": True}, ("OutboxOptions.max_attempts", "True", "1..1000")),
+        ({"backoff_base": 0}, ("OutboxOptions.backoff_base", "0", "0.001..3600")),
+        ({"backoff_base": 2.0, "backoff_max": 1.0}, ("OutboxOptions.backoff_max", "1.0", ">= backoff_base (2.0)")),
+        ({"published_retention": 59}, ("OutboxOptions.published_retention", "59", "60..31622400")),
+        ({"count_interval": 0}, ("OutboxOptions.count_interval", "0", "0.01..3600")),
+        ({"run_relay": 1}, ("OutboxOptions.run_relay", "True or False", "1")),
+        ({"passive_indexes": "no"}, ("OutboxOptions.passive_indexes", "True or False", "no")),
+        ({"transaction_retries": -1}, ("OutboxOptions.transaction_retries", "-1", "0..100")),
+        ({"commit_retries": 101}, ("OutboxOptions.commit_retries", "101", "0..100")),
     ],
 )
-def test_relay_options_are_bounded(options: dict[str, Any], parts: tuple[str, ...]) -> None:
-    refused(lambda: RelayOptions(**options), *parts)
+def test_outbox_options_are_bounded(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    refused(lambda: OutboxOptions(**options), *parts)
 
 
-def test_relay_options_at_their_bounds_are_accepted() -> None:
-    low = RelayOptions(poll_interval=0.01, claim_seconds=0.1, max_attempts=1, backoff_base=0.001, backoff_max=0.001)
-    assert (low.poll_interval, low.max_attempts, low.backoff_max) == (0.01, 1, 0.001)
-    high = RelayOptions(poll_interval=3600, max_attempts=1000, backoff_base=3600, backoff_max=86400)
+def test_outbox_options_at_their_bounds_are_accepted() -> None:
+    low = OutboxOptions(
+        poll_interval=0.01,
+        claim_seconds=0.1,
+        mark_interval=0,
+        max_attempts=1,
+        backoff_base=0.001,
+        backoff_max=0.001,
+        batch_size=1,
+        max_body=1,
+        count_interval=0.01,
+        transaction_retries=0,
+        commit_retries=0,
+    )
+    assert (low.poll_interval, low.max_attempts, low.backoff_max, low.mark_interval) == (0.01, 1, 0.001, 0.0)
+    high = OutboxOptions(
+        poll_interval=3600,
+        max_attempts=1000,
+        backoff_base=3600,
+        backoff_max=86400,
+        batch_size=1000,
+        claim_seconds=120,
+        mark_interval=60,
+        max_body=16 * 1024 * 1024,
+    )
     assert high.poll_interval == 3600.0
     assert isinstance(high.poll_interval, float)
+    assert isinstance(high.mark_interval, float)
+    defaults = OutboxOptions()
+    assert (defaults.collection, defaults.batch_size, defaults.max_body) == ("lily_outbox", 100, 8 * 1024 * 1024)
+    assert (defaults.claim_seconds, defaults.mark_interval, defaults.run_relay) == (30.0, 1.0, True)
+
+
+def test_a_consumer_needs_distinct_record_and_outbox_collections() -> None:
+    client: AsyncMongoClient[Any] = AsyncMongoClient("mongodb://127.0.0.1:1/", connect=False)
+    refused(
+        lambda: Consumer(
+            amqp_url=URL,
+            name="svc",
+            mongo_client=client,
+            database="shop",
+            inbox=InboxOptions(records="same"),
+            outbox=OutboxOptions(collection="same"),
+        ),
+        "InboxOptions.records and OutboxOptions.collection must differ",
+        "same",
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        ({"mongo_client": "mongodb://db/"}, ("mongo_client", "AsyncMongoClient", "mongodb://db/")),
+        ({"database": "a.b"}, ("database", "1..63 bytes", "a.b")),
+        ({"amqp_url": "http://rabbit/"}, ("amqp_url", "amqp:// or amqps://")),
+        ({"options": {"batch_size": 1}}, ("options", "OutboxOptions", "dict")),
+        ({"name": ""}, ("name", "1..200 bytes")),
+        ({"confirm_timeout": 0}, ("confirm_timeout", "0", "> 0 and <= 3600")),
+    ],
+)
+def test_standalone_outbox_options_are_checked(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    client: AsyncMongoClient[Any] = AsyncMongoClient("mongodb://127.0.0.1:1/", connect=False)
+    refused(lambda: Outbox(**{"mongo_client": client, "database": "shop", **options}), *parts)
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        ({"amqp_url": "rabbit:5672"}, ("amqp_url", "amqp:// or amqps://")),
+        ({"database": ""}, ("database", "''")),
+        ({"options": 5}, ("options", "OutboxOptions", "int 5")),
+        ({"graceful_timeout": 0}, ("graceful_timeout", "0", "> 0 and <= 3600")),
+        ({"force_timeout": -1}, ("force_timeout", "-1")),
+        ({"owns_mongo_client": "yes"}, ("owns_mongo_client", "True or False")),
+    ],
+)
+def test_relay_service_options_are_checked(options: dict[str, Any], parts: tuple[str, ...]) -> None:
+    client: AsyncMongoClient[Any] = AsyncMongoClient("mongodb://127.0.0.1:1/", connect=False)
+    refused(lambda: Relay(**{"mongo_client": client, "database": "shop", "amqp_url": URL, **options}), *parts)
 
 
 @pytest.mark.parametrize(
@@ -67,6 +166,7 @@ def test_relay_options_at_their_bounds_are_accepted() -> None:
         ({"force_timeout": float("inf")}, ("force_timeout", "inf", "finite")),
         ({"database": "shop"}, ("database", "shop", "needs a mongo_client")),
         ({"inbox": InboxOptions()}, ("inbox", "needs a mongo_client")),
+        ({"outbox": OutboxOptions()}, ("outbox", "needs a mongo_client")),
         ({"owns_mongo_client": True}, ("owns_mongo_client", "needs a mongo_client")),
         ({"mongo_client": "mongodb://db/", "database": "shop"}, ("mongo_client", "AsyncMongoClient", "mongodb://db/")),
     ],
@@ -169,7 +269,7 @@ def test_configure_queue_takes_exactly_the_queue_options_as_typed_keywords() -> 
 
 
 @pytest.mark.parametrize("method", ["publish", "publish_json", "publish_text", "publish_binary"])
-@pytest.mark.parametrize("owner", [Publisher, Outbox])
+@pytest.mark.parametrize("owner", [Publisher, OutboxWriter, OutboxTransaction])
 def test_publish_methods_take_exactly_the_publication_options_as_typed_keywords(owner: type, method: str) -> None:
     hint = typing.get_type_hints(getattr(owner, method))["options"]
     accepted = {

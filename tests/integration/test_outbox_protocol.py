@@ -1,0 +1,137 @@
+"""Each MongoDB filter and update of the outbox record protocol against its Python transition, on a real server.
+
+``lily_mongo._outbox_protocol`` writes every step twice: the query the relay and the
+dispatcher send, and the transition the protocol model (tests/property/test_outbox_model.py)
+runs. Here both run on the same records and must agree (times set by ``$$NOW`` within a
+second of the test's clock).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+
+from lily_mongo import _outbox_protocol as protocol
+from tests.support import MongoDB
+
+SECOND = datetime.timedelta(seconds=1)
+
+
+def now() -> datetime.datetime:
+    """The test's clock, in milliseconds (what BSON keeps)."""
+    moment = datetime.datetime.now(datetime.UTC)
+    return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
+
+
+def aware(doc: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.replace(tzinfo=datetime.UTC) if isinstance(v, datetime.datetime) else v for k, v in doc.items()}
+
+
+def record(record_id: str, **fields: Any) -> dict[str, Any]:
+    base = protocol.new_record(
+        record_id=record_id,
+        event_id=record_id,
+        exchange="",
+        routing_key="down",
+        body=b"{}",
+        headers={"x-lily-event-id": record_id},
+        content_type="application/json",
+        writer="w",
+        written_at=now() - SECOND,
+        seq=0,
+        claim=None,
+    )
+    base.update(fields)
+    return base
+
+
+def close(a: Any, b: Any) -> bool:
+    return abs(a - b) < 2 * SECOND
+
+
+async def test_the_due_filter_finds_exactly_what_is_due_says(mongodb: MongoDB) -> None:
+    outbox = mongodb.db["outbox"]
+    t = now()
+    records = [
+        record("free"),
+        record("expired", claim_owner="x", claim_token="a", claim_expires=t - SECOND),
+        record("live", claim_owner="x", claim_token="b", claim_expires=t + 60 * SECOND),
+        record("later", available_at=t + 60 * SECOND),
+        record("published", status="published"),
+        record("failed", status="failed"),
+    ]
+    await outbox.insert_many(records)
+    found = {doc["_id"] for doc in await outbox.find(protocol.due_filter(now())).to_list()}
+    assert found == {r["_id"] for r in records if protocol.is_due(r, now())} == {"free", "expired"}
+
+
+async def test_the_claim_and_its_transition_agree(mongodb: MongoDB) -> None:
+    outbox = mongodb.db["outbox"]
+    t = now()
+    records = [
+        record("free"),
+        record("expired", claim_owner="x", claim_token="a", claim_expires=t - SECOND),
+        record("live", claim_owner="x", claim_token="b", claim_expires=t + 60 * SECOND),
+        record("published", status="published"),
+    ]
+    await outbox.insert_many(records)
+    ids = [r["_id"] for r in records]
+    result = await outbox.update_many(protocol.claim_filter(ids), protocol.claim_update("relay", "T", claim_seconds=30))
+    assert result.matched_count == 2
+    after = {doc["_id"]: aware(doc) for doc in await outbox.find(protocol.claimed_filter(ids, "T")).to_list()}
+    expected = {
+        r["_id"]: t2
+        for r in records
+        if (t2 := protocol.claim_transition(r, owner="relay", token="T", now=now(), claim_seconds=30)) is not None
+    }
+    assert set(after) == set(expected) == {"free", "expired"}
+    for record_id, doc in after.items():
+        model = expected[record_id]
+        assert close(doc.pop("claim_expires"), model.pop("claim_expires"))
+        assert doc == aware(model)
+
+
+@pytest.mark.parametrize("token", ["T", "other"], ids=["holder", "fenced-out"])
+async def test_the_mark_and_its_transition_agree(mongodb: MongoDB, token: str) -> None:
+    outbox = mongodb.db["outbox"]
+    held = record("held", claim_owner="relay", claim_token="T", claim_expires=now() + 30 * SECOND)
+    await outbox.insert_one(dict(held))
+    result = await outbox.update_many(
+        protocol.mark_filter(["held"], token), protocol.mark_update(retention_seconds=3600)
+    )
+    model = protocol.mark_transition(held, token, now=now(), retention_seconds=3600)
+    doc = aware(await outbox.find_one({"_id": "held"}) or {})
+    if model is None:
+        assert result.matched_count == 0
+        assert doc == aware(held)
+        return
+    assert result.matched_count == 1
+    assert "claim_expires" not in doc
+    assert close(doc.pop("published_at"), model.pop("published_at"))
+    assert close(doc.pop("expires_at"), model.pop("expires_at"))
+    assert doc == aware(model)
+
+
+@pytest.mark.parametrize(("attempts", "token"), [(0, "T"), (2, "T"), (0, "other")], ids=["retry", "park", "fenced"])
+async def test_a_failure_and_its_transition_agree(mongodb: MongoDB, attempts: int, token: str) -> None:
+    outbox = mongodb.db["outbox"]
+    held = record("held", attempts=attempts, claim_owner="relay", claim_token="T", claim_expires=now() + 30 * SECOND)
+    await outbox.insert_one(dict(held))
+    failure = protocol.failed_attempt(
+        attempts, "unroutable", max_attempts=3, backoff_base=1.0, backoff_max=10.0, jitter=0.5
+    )
+    t = now()
+    result = await outbox.update_one(protocol.failure_filter("held", token), protocol.failure_update(failure, t))
+    model = protocol.failure_transition(held, token, failure, t)
+    doc = aware(await outbox.find_one({"_id": "held"}) or {})
+    if model is None:
+        assert result.matched_count == 0
+        assert doc == aware(held)
+        return
+    assert result.matched_count == 1
+    # BSON keeps milliseconds.
+    assert close(doc.pop("available_at"), model.pop("available_at"))
+    assert doc == aware(model)
+    assert doc["status"] == ("failed" if attempts + 1 >= 3 else "pending")
