@@ -10,7 +10,9 @@ with a reason. A page runs one of two ways:
 * a **script page**: its runnable blocks run in order in one namespace (a module of
   their own), so a block may use what an earlier one defined; top-level ``await``,
   ``async with`` and ``async for`` work (each block is compiled with
-  ``ast.PyCF_ALLOW_TOP_LEVEL_AWAIT`` and awaited);
+  ``ast.PyCF_ALLOW_TOP_LEVEL_AWAIT`` and awaited); a block that calls
+  ``asyncio.run(...)`` at its top level (a script's entry point) runs in a thread
+  of its own, where no event loop runs yet;
 * a **test page**: when a runnable block defines a top-level ``test_*`` function,
   the page's runnable blocks together are a pytest module, run by pytest in a
   subprocess (the package's pytest plugin, ``asyncio_mode = "auto"``); every test
@@ -24,6 +26,7 @@ page and its line numbers.
 from __future__ import annotations
 
 import ast
+import asyncio
 import inspect
 import re
 import sys
@@ -149,6 +152,15 @@ def module_source(page_blocks: list[Block], amqp_url: str, mongo_uri: str) -> st
     return "\n".join(lines) + "\n"
 
 
+def _runs_its_own_loop(block: Block) -> bool:
+    """True when the block calls ``asyncio.run(...)`` at its top level (a script's entry point)."""
+    for node in ast.parse(block.code).body:
+        call = node.value if isinstance(node, ast.Expr) else None
+        if isinstance(call, ast.Call) and ast.unparse(call.func) == "asyncio.run":
+            return True
+    return False
+
+
 async def run_script(page_blocks: list[Block], name: str, amqp_url: str, mongo_uri: str) -> dict[str, Any]:
     """Run a script page's runnable blocks in order in one fresh module; returns its namespace."""
     module = types.ModuleType(name)
@@ -157,7 +169,13 @@ async def run_script(page_blocks: list[Block], name: str, amqp_url: str, mongo_u
         for block in page_blocks:
             if block.not_runnable is not None:
                 continue
-            result = eval(compile_block(block, rewrite(block.code, amqp_url, mongo_uri)), module.__dict__)
+            code = compile_block(block, rewrite(block.code, amqp_url, mongo_uri))
+            if _runs_its_own_loop(block):
+                # A block written as a script (``asyncio.run(main())``) runs as a script does:
+                # in a thread of its own, where no event loop is running yet.
+                await asyncio.to_thread(eval, code, module.__dict__)
+                continue
+            result = eval(code, module.__dict__)
             if inspect.iscoroutine(result):
                 await result
     finally:
