@@ -21,7 +21,7 @@ from lily_mongo import Consumer, Json, MongoScope, queue
 from lily_mongo._mongo import check_mongo
 from lily_mongo.errors import TransportError
 from lily_mongo.testing import Faults
-from tests.support import Broker, consumer_count
+from tests.support import Broker, close_client, consumer_count
 
 
 async def checked(uri: str, *, transactions: bool = True, timeout: float = 1.0) -> TransportError:
@@ -32,7 +32,7 @@ async def checked(uri: str, *, transactions: bool = True, timeout: float = 1.0) 
                 client, database="lily_check", collection="lily_inbox", timeout=timeout, transactions=transactions
             )
     finally:
-        await client.close()
+        await close_client(client)
     return caught.value
 
 
@@ -110,7 +110,7 @@ async def test_consumer_start_fails_in_one_line_and_opens_nothing(broker: Broker
         with pytest.raises(TransportError, match=r"^MongoDB is not reachable at mongodb://127.0.0.1:1/ "):
             await consumer.start()
     finally:
-        await client.close()
+        await close_client(client)
     assert time.monotonic() - started < 5
     assert consumer.state == "stopped"
     assert await consumer_count(broker.connection, q) is None  # nothing was declared
