@@ -9,12 +9,13 @@ import datetime
 import decimal
 import gc
 import inspect
+import logging
 import os
 import re
 import struct
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
@@ -528,3 +529,24 @@ async def close_client(client: AsyncMongoClient[Any]) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         gc.collect()
+
+
+@contextlib.contextmanager
+def logging_restored() -> Iterator[None]:
+    """Run an in-process command (typer's CliRunner) and put the logging set-up back afterwards.
+
+    The command configures logging for its process (one stderr handler on the root logger,
+    levels, warnings captured); in a test process that would replace pytest's log capture and
+    leave a handler writing to the runner's closed stream for every later test.
+    """
+    root = logging.getLogger()
+    loggers = [root, *(logging.getLogger(name) for name in ("lily_mongo", "lily_mongo.cli", "aiormq", "aio_pika"))]
+    saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
+    try:
+        yield
+    finally:
+        for lg, handlers, level, propagate in saved:
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate = propagate
+        logging.captureWarnings(False)

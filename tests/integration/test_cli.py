@@ -54,6 +54,7 @@ from tests.support import (
     MongoDB,
     consumer_count,
     eventually,
+    logging_restored,
     outcomes,
     resolve,
     running,
@@ -938,7 +939,8 @@ async def test_debug_shows_the_traceback_without_locals_or_the_password(env: dic
     ],
 )
 def test_help_documents_the_exit_status(args: tuple[str, ...]) -> None:
-    result = CliRunner().invoke(cli_app, [*args, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    with logging_restored():
+        result = CliRunner().invoke(cli_app, [*args, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.replace("│", " ").split())
     assert "Exit status: 0 success; 1 the command failed" in text

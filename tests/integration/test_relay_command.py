@@ -21,7 +21,7 @@ from lily_mongo.cli import app as cli_app
 from lily_mongo.envelope import validate_envelope
 from tests.integration.test_cli import cli_env, cli_process, finish, one_error_line, run_cli
 from tests.integration.test_cli_http import free_port, get
-from tests.support import Broker, MongoDB, eventually
+from tests.support import Broker, MongoDB, eventually, logging_restored
 
 OUTBOX = "lily_outbox"
 
@@ -111,7 +111,8 @@ async def test_the_relay_command_with_rabbitmq_unreachable_exits_3(mongodb: Mong
 
 
 def test_the_relay_commands_help_documents_the_exit_status() -> None:
-    result = CliRunner().invoke(cli_app, ["relay", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    with logging_restored():
+        result = CliRunner().invoke(cli_app, ["relay", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.replace("│", " ").split())
     assert "Exit status: 0 success; 1 the command failed" in text
