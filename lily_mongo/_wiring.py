@@ -125,6 +125,7 @@ async def build_engine(
             settings.database,
             options,
             owner_prefix=settings.name,
+            deadlines={name: queue.deadline for name, queue in plan.queues.items()},
             on_outbox_commit=relay.wake,
             observer=observer,
         )

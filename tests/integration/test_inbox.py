@@ -31,6 +31,7 @@ from lily_mongo import (
     ManagedConsumer,
     MongoScope,
     QueueHandlerError,
+    RetryCount,
     RetryPolicy,
     ScopeClosedError,
     TerminalObservation,
@@ -602,6 +603,64 @@ async def test_held_lease_defers_until_the_bound_then_dead_letters(broker: Broke
     assert record is not None
     assert (record["state"], record["owner"], record["token"], record["deferrals"]) == ("leased", "elsewhere:0:0", 7, 3)
     assert await db[EFFECTS].count_documents({}) == 0
+
+
+# -- a claim that waits behind a transaction: a deferral, never an application retry ---------------
+#
+# On MongoDB a claim waits while another transaction holds the record (a crashed consumer's
+# for up to about 1.5 x transactionLifetimeLimitSeconds) and gives up at its maxTimeMS with
+# MaxTimeMSExpired (code 50). The emulator makes no writer wait (docs/emulator.md), so the
+# answer is injected on the claim; the protocol model shows the wait itself.
+
+
+@pytest.mark.parametrize("max_deferrals", [5, 1], ids=["then-completes", "at-the-bound"])
+async def test_a_claim_that_times_out_is_a_counted_deferral_and_spends_no_retry(
+    broker: Broker, mongodb: MongoDB, failpoints: Faults, max_deferrals: int
+) -> None:
+    q, handler_id, event, key = one_event(broker, "busy")
+    retries_seen: list[int] = []
+
+    @queue(q, version=1, content="json", handler_id=handler_id)
+    async def handle(event_id: EventId, retry_count: RetryCount, mongo: MongoScope) -> None:
+        retries_seen.append(retry_count)
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
+
+    # Lease first: the claim is the write outside a transaction that waits on MongoDB.
+    consumer = inbox_consumer(
+        broker,
+        mongodb,
+        q,
+        handle,
+        inbox=InboxOptions(claim_in_transaction=False),
+        max_deferrals=max_deferrals,
+        retry=RetryPolicy(max_retries=3, delays=(30.0,)),
+    )
+    async with running(consumer) as managed:
+        await failpoints.fail(["findAndModify"], code=50, namespace=f"{mongodb.name}.{RECORDS}")
+        await publish(broker, q, event, retry_count=1)
+        await eventually(lambda: len(outcomes(managed)) == 2 - (max_deferrals == 1), timeout=8.0, what="settlement")
+        assert await broker.wait_for_depth(q, 0) == 0
+    observations = managed.delivery_terminal_observations()
+    assert (observations[0].code, observations[0].attempts) == (
+        "LEASE_BUSY" if max_deferrals > 1 else "QUEUE_DEFERRALS_EXHAUSTED",
+        0,
+    )
+    assert "maxTimeMS" in observations[0].reason
+    record = await mongodb.db[RECORDS].find_one({"_id": key})
+    assert await broker.depth(f"{q}.retry.0") == 0  # no application retry was spent
+    if max_deferrals > 1:
+        assert [o.outcome for o in observations] == ["deferred", "acked"]
+        assert retries_seen == [1]  # the redelivered original, x-retry-count unchanged
+        assert record is not None
+        assert (record["state"], record["deferrals"]) == ("completed", 1)  # counted, kept by the completion
+        return
+    [copy] = await broker.drain(f"{q}.dlq")
+    assert copy.headers["x-lily-failure-code"] == "QUEUE_DEFERRALS_EXHAUSTED"
+    assert copy.headers["x-retry-count"] == 1
+    assert retries_seen == []
+    assert record is not None
+    assert record["deferrals"] == 1  # the counting record: no lease, no state
+    assert (record.get("state"), record.get("owner")) == (None, None)
 
 
 # -- the scope is valid for one attempt only ------------------------------------------------------
