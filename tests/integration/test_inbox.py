@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -38,7 +39,7 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.testing import Faults
-from tests.support import Broker, MongoDB, eventually, one_event, outcomes, running
+from tests.support import Broker, MongoDB, accepting, eventually, one_event, outcomes, running
 
 Handler = Callable[..., Awaitable[None]]
 
@@ -661,6 +662,54 @@ async def test_a_claim_that_times_out_is_a_counted_deferral_and_spends_no_retry(
     assert record is not None
     assert record["deferrals"] == 1  # the counting record: no lease, no state
     assert (record.get("state"), record.get("owner")) == (None, None)
+
+
+# -- the transaction lifetime ---------------------------------------------------------------------
+
+
+async def test_the_transaction_lifetime_is_read_at_start_and_long_deadlines_are_warned_about(
+    broker: Broker, mongodb: MongoDB, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The emulator does not answer getParameter (docs/emulator.md): the inbox assumes MongoDB's
+    # default of 60 s and says so; a queue whose deadline exceeds the limit is warned about at start.
+    slow, quick = broker.queue("slow"), broker.queue("quick")
+    consumer = broker.consumer(
+        (slow, quick), accepting(slow), accepting(quick), mongodb=mongodb, name="lifetime", deadline=90.0
+    )
+    consumer.configure_queue(quick, deadline=8.0)
+    with caplog.at_level(logging.INFO, logger="lily_mongo"):
+        async with running(consumer):
+            pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "lily_mongo"]
+    refused = any("getParameter refused" in line and "assumes 60 s" in line for line in lines)
+    warned = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "delivery deadline" in r.getMessage()
+    ]
+    assert len(warned) == 1, warned
+    assert f"queue {slow}:" in warned[0]
+    assert "(90 s) exceeds" in warned[0]
+    assert "QUEUE_TRANSACTION_EXPIRED" in warned[0]
+    # A MongoDB that answers (LILY_MONGO_URI) is named as the source of the limit instead.
+    assert refused or "the server's transactionLifetimeLimitSeconds" in warned[0], lines
+
+
+async def test_a_configured_transaction_lifetime_is_not_read_from_the_server(
+    broker: Broker, mongodb: MongoDB, caplog: pytest.LogCaptureFixture
+) -> None:
+    q = broker.queue("told")
+    consumer = broker.consumer(
+        q,
+        accepting(q),
+        mongodb=mongodb,
+        name="lifetime",
+        deadline=90.0,
+        inbox=InboxOptions(transaction_lifetime_seconds=120),
+    )
+    with caplog.at_level(logging.INFO, logger="lily_mongo"):
+        async with running(consumer):
+            pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "lily_mongo"]
+    assert not any("getParameter" in line or "delivery deadline" in line for line in lines), lines
 
 
 # -- the scope is valid for one attempt only ------------------------------------------------------

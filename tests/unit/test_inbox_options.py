@@ -34,6 +34,10 @@ from lily_mongo import ConfigError, InboxOptions, RelayOptions
         ({"run_relay": 1}, ("InboxOptions.run_relay",)),
         ({"claim_in_transaction": "no"}, ("InboxOptions.claim_in_transaction", "no")),
         ({"relay": {"poll_interval": 1}}, ("InboxOptions.relay", "RelayOptions", "dict")),
+        ({"max_wait_seconds": 0.01}, ("InboxOptions.max_wait_seconds", "0.01", "0.05..600")),
+        ({"max_wait_seconds": 601}, ("InboxOptions.max_wait_seconds", "601", "0.05..600")),
+        ({"transaction_lifetime_seconds": 0.5}, ("InboxOptions.transaction_lifetime_seconds", "0.5", "1..86400")),
+        ({"transaction_lifetime_seconds": "60"}, ("InboxOptions.transaction_lifetime_seconds", "60")),
     ],
 )
 def test_a_value_out_of_bounds_is_refused_naming_field_value_and_bound(
@@ -59,6 +63,10 @@ def test_the_defaults_and_the_bounds_themselves_are_accepted() -> None:
         backoff_base=1.0,
         backoff_max=1.0,
         outbox_max_body=16 * 1024 * 1024,
+        max_wait_seconds=0.05,
+        transaction_lifetime_seconds=1,
         relay=RelayOptions(),
     )
     assert edge.lease_seconds == 0.05
+    assert (options.max_wait_seconds, options.transaction_lifetime_seconds) == (10.0, None)  # read at start
+    assert InboxOptions(max_wait_seconds=600, transaction_lifetime_seconds=86400).max_wait_seconds == 600
