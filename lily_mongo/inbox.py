@@ -226,18 +226,30 @@ class _Lease:
     token: int
     renewed_at: float  # the event loop's clock
     wait: float  # the bound on each write of the record outside a transaction (maxTimeMS)
+    until: float | None = None  # the delivery's deadline (the event loop's clock), when known
     handler_id: str = ""
     event_id: str = ""
     holding: bool = False  # the attempt's transaction has written the record and not ended
     lost: bool = False
     first: bool = False  # no lease: the attempt's transaction claims the record (a first-time copy)
     started: float = 0.0  # when the current attempt's transaction started (the event loop's clock)
+    cancelled_age: float | None = None  # the age of its transaction when an attempt was cancelled
     expirations: int = 0  # attempts of this delivery whose transaction outlived the lifetime
 
 
 def _now() -> float:
     """The event loop's clock (monotonic seconds)."""
     return asyncio.get_running_loop().time()
+
+
+def _in_time(lease: _Lease) -> float:
+    """The bound of a wait before the handler runs: the lease's, and at most half the time left
+    before the delivery's deadline, so that a wait ends as a deferral, never cut off by the
+    deadline as a timeout (an application retry). PyMongo answers a bound smaller than a round
+    trip with ``ExecutionTimeout`` without sending anything."""
+    if lease.until is None:
+        return lease.wait
+    return min(lease.wait, max((lease.until - _now()) / 2, 0.001))
 
 
 class Inbox:
@@ -413,6 +425,8 @@ class Inbox:
         handler_id = route.handler_id
         key = records.record_key(handler_id, event_id)
         wait = self.wait_for(route.queue)
+        deadline = self._deadlines.get(route.queue)
+        until = None if deadline is None else _now() + deadline
         execution = Execution(PipelineResult(Outcome.DEFERRED, ErrorCode.REPLAY_BUDGET_SPENT, ""))
         expirations = 0
         if self._options.claim_in_transaction and records.claims_in_transaction(
@@ -421,25 +435,38 @@ class Inbox:
             # A first-time copy: the claim is the transaction's first write (2 + k commands).
             # It leaves no lease behind: nothing to renew, nothing to release.
             first = _Lease(
-                key, self._new_owner(), 1, _now(), wait, handler_id=handler_id, event_id=event_id, first=True
+                key,
+                self._new_owner(),
+                1,
+                _now(),
+                wait,
+                until,
+                handler_id=handler_id,
+                event_id=event_id,
+                first=True,
             )
-            if await self._attempts(route, first, execution, payload, invoke):
+            try:
+                done = await self._attempts(route, first, execution, payload, invoke)
+            except asyncio.CancelledError:
+                await self._count_if_outlived(first)
+                raise
+            if done:
                 if execution.result.outcome is Outcome.DEFERRED:
                     # No record of its own counts this deferral: a counting record does.
                     await self._count_into(execution, first)
                 return execution
             expirations = first.expirations
         owner = self._new_owner()
+        claimant = _Lease(key, owner, 0, _now(), wait, until, handler_id=handler_id, event_id=event_id)
+        bound = _in_time(claimant)
         try:
-            record = await self._observer.inbox_claim(self._claim(key, handler_id, event_id, owner, wait), owner)
+            record = await self._observer.inbox_claim(self._claim(key, handler_id, event_id, owner, bound), owner)
         except PyMongoError as exc:
             # The database is unreachable, refused, or kept the claim waiting past its maxTimeMS
             # behind a transaction that holds the record: infrastructure, not an application
             # failure. Requeue (bounded, counted) without running the handler.
-            execution.result = self._claim_failed(exc, wait)
-            await self._count_into(
-                execution, _Lease(key, owner, 0, _now(), wait, handler_id=handler_id, event_id=event_id)
-            )
+            execution.result = self._claim_failed(exc, bound)
+            await self._count_into(execution, claimant)
             return execution
         claim = records.read_claim(record, owner)
         if claim.kind is ClaimKind.DUPLICATE:
@@ -452,12 +479,28 @@ class Inbox:
             execution.deferrals, execution.backoff_limit = claim.deferrals, claim.remaining
             return execution
         lease = _Lease(
-            key, owner, claim.token, _now(), wait, handler_id=handler_id, event_id=event_id, expirations=expirations
+            key,
+            owner,
+            claim.token,
+            _now(),
+            wait,
+            until,
+            handler_id=handler_id,
+            event_id=event_id,
+            expirations=expirations,
         )
         self._leases.add(lease)
         settled = False
         try:
-            settled = await self._attempts(route, lease, execution, payload, invoke)
+            if records.may_try_again_after_expiry(claim.expirations):
+                settled = await self._attempts(route, lease, execution, payload, invoke)
+            else:  # its attempts outlived the lifetime twice already: no third (docs/inbox.md)
+                execution.result = PipelineResult(
+                    Outcome.PERMANENT,
+                    ErrorCode.TRANSACTION_EXPIRED,
+                    f"{claim.expirations} attempts outlived the server's transaction lifetime ({self._lifetime:g} s)",
+                )
+                settled = True
         finally:
             self._leases.discard(lease)
             outcome = execution.result.outcome if settled else None
@@ -470,7 +513,8 @@ class Inbox:
                     deferrals = await asyncio.shield(release)
                 except PyMongoError:
                     log.warning("releasing an inbox lease failed; it will expire", exc_info=True)
-                    deferrals = await self._count(lease, records.DEFERRALS) if outcome is Outcome.DEFERRED else None
+                    deferred = outcome is Outcome.DEFERRED
+                    deferrals = await self._count(lease, records.DEFERRALS, bound=_in_time(lease)) if deferred else None
                 if deferrals is not None:
                     execution.deferrals = deferrals
         return execution
@@ -524,10 +568,16 @@ class Inbox:
         """Fenced release: delete on a final verdict; on a deferral expire it and return the deferral count.
 
         ``outcome`` None: cancelled from outside; the record is deleted unless it counts
-        deferrals or expired transactions, which a plain release keeps.
+        deferrals or expired transactions, which a plain release keeps. A cancelled attempt
+        whose transaction had outlived the lifetime is counted as such first.
         """
         fence = records.fence(lease.key, lease.owner, lease.token)
-        with pymongo.timeout(lease.wait):
+        if outcome is None:
+            await self._count_if_outlived(lease)
+        # A verdict is settled before the delivery's deadline: its release must end in time
+        # (docs/inbox.md, "Bounded waits"). Cancelled from outside, the deadline is past.
+        bound = lease.wait if outcome is None else _in_time(lease)
+        with pymongo.timeout(bound):
             if outcome is None:
                 deleted = await self._outside.delete_one(
                     records.cancelled_release_filter(lease.key, lease.owner, lease.token)
@@ -542,16 +592,16 @@ class Inbox:
                 fence, records.deferral_release_update(), return_document=ReturnDocument.AFTER
             )
         if record is None:  # lost (or committed) meanwhile: count this deferral on whatever is there
-            return await self._count(lease, records.DEFERRALS)
+            return await self._count(lease, records.DEFERRALS, bound=_in_time(lease))
         return records.read_count(record, records.DEFERRALS)
 
-    async def _count(self, lease: _Lease, counter: str) -> int | None:
+    async def _count(self, lease: _Lease, counter: str, *, bound: float | None = None) -> int | None:
         """Count one more ``counter`` in the event's record (created if absent); None when that fails."""
         update = records.count_update(
             counter, lease.handler_id, lease.event_id, stale_seconds=self._options.stale_lease_seconds
         )
         try:
-            with pymongo.timeout(lease.wait):
+            with pymongo.timeout(lease.wait if bound is None else bound):
                 for _ in range(3):
                     try:
                         record = await self._outside.find_one_and_update(
@@ -568,9 +618,19 @@ class Inbox:
             log.debug("counting %s in the inbox record failed", counter, exc_info=True)
         return None
 
+    async def _count_if_outlived(self, lease: _Lease) -> None:
+        """An attempt cancelled from outside while its transaction was older than the lifetime
+        (the server has aborted it, or will): it counts as one that outlived it."""
+        age = lease.cancelled_age
+        if age is not None and records.outlived(age, self._lifetime):
+            await asyncio.shield(self._count(lease, records.EXPIRATIONS))
+
     async def _count_into(self, execution: Execution, lease: _Lease) -> None:
-        """Count the deferral ``execution`` concluded in the record; on failure the runtime's count stands."""
-        count = await self._count(lease, records.DEFERRALS)
+        """Count the deferral ``execution`` concluded in the record; on failure the runtime's count stands.
+
+        Counted before the delivery's deadline, as the claim is: the handler has not run.
+        """
+        count = await self._count(lease, records.DEFERRALS, bound=_in_time(lease))
         if count is not None:
             execution.deferrals = count
 
@@ -642,7 +702,7 @@ class Inbox:
         """An attempt's transaction outlived the lifetime: count it in the record (it holds across
         deliveries) and in this delivery; the first expiry gets one more try, the second none."""
         lease.expirations += 1
-        counted = await self._count(lease, records.EXPIRATIONS)
+        counted = await self._count(lease, records.EXPIRATIONS, bound=_in_time(lease))
         return records.may_try_again_after_expiry(max(lease.expirations, counted or 0))
 
     async def _attempt(
@@ -660,9 +720,11 @@ class Inbox:
                 if found is FirstClaim.DUPLICATE:
                     # Commit, not abort: a majority commit of this read-only transaction waits
                     # until the snapshot that showed the completion is majority-committed, so a
-                    # failover cannot roll back the completion this ACK relies on.
+                    # failover cannot roll back the completion this ACK relies on. The wait is
+                    # bounded like every wait for the majority (docs/inbox.md, "Bounded waits").
                     try:
-                        await session.commit_transaction()
+                        with pymongo.timeout(_in_time(lease)):
+                            await session.commit_transaction()
                     except PyMongoError:
                         discard_server_session(session)
                         raise _Contended from None  # not confirmed: the lease claim decides
@@ -707,6 +769,10 @@ class Inbox:
             if result is _SUCCESS and outbox.written and self._on_outbox_commit is not None:
                 self._on_outbox_commit()
             return result
+        except asyncio.CancelledError:
+            if lease.holding:  # cancelled from outside while its transaction was open
+                lease.cancelled_age = _now() - lease.started
+            raise
         finally:
             lease.holding = False
             await session.end_session()
@@ -749,9 +815,14 @@ class Inbox:
                 discard_server_session(session)
 
     async def _commit(self, session: AsyncClientSession, lease: _Lease, execution: Execution) -> PipelineResult:
-        """Commit; on an unknown result retry the same commit, then read the record (two separate loops)."""
+        """Commit; on an unknown result retry the same commit, then read the record (two separate loops).
+
+        Each commit's wait for the majority is bounded (``maxTimeMS``): one that runs out is
+        an unknown result, reconciled like a lost reply (docs/inbox.md, "Bounded waits").
+        """
         try:
-            await session.commit_transaction()
+            with pymongo.timeout(lease.wait):
+                await session.commit_transaction()
             return _SUCCESS
         except PyMongoError as exc:
             if records.classify_error(error_labels(exc), in_commit=True) is ErrorStep.REPLAY:
@@ -767,7 +838,8 @@ class Inbox:
             delay = backoff(retry, base=options.backoff_base, cap=options.backoff_max, jitter=random.random())
             await asyncio.sleep(delay)
             try:
-                await session.commit_transaction()
+                with pymongo.timeout(lease.wait):
+                    await session.commit_transaction()
                 return _SUCCESS
             except PyMongoError as exc:
                 if records.classify_error(error_labels(exc), in_commit=True) is not ErrorStep.RETRY_COMMIT:

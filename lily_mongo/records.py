@@ -125,6 +125,7 @@ class Claim:
     token: int = 0  # the fencing token of this attempt's lease (LEASED)
     deferrals: int = 0  # deliveries of this event deferred so far (HELD: including this one)
     remaining: float | None = None  # seconds left on the holder's lease, server clock (HELD)
+    expirations: int = 0  # attempts of this event whose transaction outlived the lifetime (LEASED)
 
 
 def claim_pipeline(
@@ -221,7 +222,7 @@ def read_claim(record: Record, owner: str) -> Claim:
     if record.get("state") == COMPLETED:
         return Claim(ClaimKind.DUPLICATE)
     if record.get("owner") == owner:
-        return Claim(ClaimKind.LEASED, token=int(record["token"]))
+        return Claim(ClaimKind.LEASED, token=int(record["token"]), expirations=read_count(record, EXPIRATIONS))
     expires, checked = _aware(record.get("expires_at")), _aware(record.get("checked_at"))
     remaining = max((expires - checked).total_seconds(), 0.0) if expires and checked else None
     return Claim(ClaimKind.HELD, deferrals=int(record.get("deferrals", 0)), remaining=remaining)
