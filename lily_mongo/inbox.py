@@ -30,6 +30,17 @@ For one delivery of handler ``H`` and event ``E`` (record ``_id`` ``"H|E"``):
    (fenced), then the runtime hands off; a deferral expires the lease and counts
    the deferral.
 
+Outside a transaction every write of the records is majority-acknowledged and
+every read majority-committed, whatever the client's defaults, and every such
+operation (and each commit) is bounded by a ``maxTimeMS``, cut to half the time
+left before the delivery's deadline while the handler has not run: a wait ends as
+a deferral (``LEASE_BUSY``, ``MONGO_UNAVAILABLE``), never as a timeout. Deferrals
+the lease protocol does not count in the same write are counted in the record
+(a counting record if there is none); an attempt whose transaction outlived the
+server's lifetime gets one more try, then ``QUEUE_TRANSACTION_EXPIRED``
+(docs/inbox.md: "Majority, always", "Bounded waits", "The transaction lifetime",
+"Counting deferrals").
+
 Budget (docs/inbox.md, commands per delivery): a first-time delivery whose handler makes ``k`` writes
 sends ``2 + k`` commands (the claim in the transaction, k writes, commit), a
 redelivered one ``3 + k`` (claim, completion, k writes, commit); a redelivered

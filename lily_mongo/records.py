@@ -17,10 +17,10 @@ This module holds both halves of every step:
 
 * the **server side**: the MongoDB update each step sends (:func:`claim_pipeline`,
   :func:`completion_update`, ...) and, beside it, the same transition written in
-  Python (:func:`claim_transition`, ...). The Python transitions are what the
-  protocol model (``tests/property/test_inbox_model.py``) runs against its
-  simulated MongoDB; an integration test holds each pipeline equal to its
-  transition on a real server;
+  Python (:func:`claim_transition`, ...). The protocol model
+  (``tests/property/test_inbox_model.py``) runs the inbox against a simulated
+  MongoDB that evaluates the updates it sends through these transitions; an
+  integration test holds each pipeline equal to its transition on a real server;
 * the **consumer side**: what the consumer concludes from what the server
   answered (:func:`read_claim`, :func:`classify_error`, :func:`reconcile`,
   :func:`next_after_replay`, :func:`heartbeat_verdict`).
