@@ -253,6 +253,12 @@ def _now() -> float:
     return asyncio.get_running_loop().time()
 
 
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark a shielded task's outcome as seen (its awaiter may have been cancelled meanwhile)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a shielded inbox write failed", exc_info=task.exception())
+
+
 def _in_time(lease: _Lease) -> float:
     """The bound of a wait before the handler runs: the lease's, and at most half the time left
     before the delivery's deadline, so that a wait ends as a deferral, never cut off by the
@@ -520,6 +526,7 @@ class Inbox:
                 # (deadline, forced shutdown), the attempt is not a deferral: the runtime
                 # settles it otherwise, so the record is released without a count.
                 release = asyncio.ensure_future(self._release(lease, outcome))
+                release.add_done_callback(_retrieved)  # its failure is logged below, unless cancelled meanwhile
                 try:
                     deferrals = await asyncio.shield(release)
                 except PyMongoError:

@@ -1723,6 +1723,14 @@ SCENARIOS = [
         id="first-claim-finds-a-lease",
     ),
     pytest.param(
+        one_event(1, claim_in_transaction=True, replay_budget=0),
+        # A transient error of the claim in the transaction is a contention, not a replay: with
+        # no replay budget at all the lease claim still follows, and the event completes.
+        [Deliver(0), Drive("h1", 1, Fault.TRANSIENT), Drive("h1", 4)],
+        "c0/h1(e1#m1) settles success: acked",
+        id="first-claim-contention-is-no-replay",
+    ),
+    pytest.param(
         one_event(claim_in_transaction=True),
         [Deliver(0), Drive("h1", 3), Deliver(1), Drive("h2", 2)],
         "c1/h2(e1#m2) settles duplicate",
