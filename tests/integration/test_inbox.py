@@ -49,6 +49,7 @@ EFFECTS = "effects"
 # not retryable for PyMongo, so the driver does not retry the commit itself (the library does).
 AMBIGUOUS = {"code": 50, "labels": ["UnknownTransactionCommitResult"]}
 RETRY_COMMITS_TWICE = InboxOptions(commit_retries=2, backoff_base=0.01)
+HOUR = datetime.timedelta(hours=1)
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -664,6 +665,41 @@ async def test_a_claim_that_times_out_is_a_counted_deferral_and_spends_no_retry(
     assert (record.get("state"), record.get("owner")) == (None, None)
 
 
+@pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
+async def test_a_forced_shutdowns_deferral_is_counted_in_the_record(
+    claim_in_transaction: bool, broker: Broker, mongodb: MongoDB
+) -> None:
+    # A forced shutdown cancels the handler: deferred (SHUTDOWN), and counted in the event's record
+    # where the next process finds it (docs/inbox.md, "Counting deferrals"), not only in the memory
+    # of the process that is going away.
+    q, handler_id, event, key = one_event(broker, "forced")
+    entered = asyncio.Event()
+
+    @queue(q, version=1, content="json", handler_id=handler_id)
+    async def hold(event_id: EventId, mongo: MongoScope) -> None:
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
+        entered.set()
+        await asyncio.sleep(30)
+
+    consumer = inbox_consumer(
+        broker, mongodb, q, hold, inbox=InboxOptions(claim_in_transaction=claim_in_transaction), force_timeout=5.0
+    )
+    managed = await consumer.start()
+    await publish(broker, q, event)
+    await asyncio.wait_for(entered.wait(), 8.0)
+    report = await managed.shutdown(force=True)
+    assert report.forced is True
+    [observation] = managed.delivery_terminal_observations()
+    assert (observation.outcome, observation.code) == ("deferred", "SHUTDOWN")
+    record = await mongodb.db[RECORDS].find_one({"_id": key})
+    assert record is not None
+    # The aborted attempt left no lease (its record, counting nothing, was deleted; or never
+    # committed): a counting record holds the deferral.
+    assert (record.get("state"), record.get("owner"), record["deferrals"]) == (None, None, 1)
+    assert await mongodb.db[EFFECTS].count_documents({}) == 0
+    assert await broker.wait_for_depth(q, 1) == 1
+
+
 # -- the transaction lifetime ---------------------------------------------------------------------
 
 
@@ -710,6 +746,30 @@ async def test_a_configured_transaction_lifetime_is_not_read_from_the_server(
             pass
     lines = [r.getMessage() for r in caplog.records if r.name == "lily_mongo"]
     assert not any("getParameter" in line or "delivery deadline" in line for line in lines), lines
+
+
+async def test_an_event_whose_attempts_outlived_the_lifetime_twice_is_dead_lettered_without_running(
+    broker: Broker, mongodb: MongoDB
+) -> None:
+    # The record counts two attempts whose transaction outlived the lifetime (the emulator never
+    # reaps, so the count is written here; the protocol model shows the reaping): the claim
+    # dead-letters the delivery with QUEUE_TRANSACTION_EXPIRED and the handler does not run again.
+    q, handler_id, event, key = one_event(broker, "expired")
+    calls: list[uuid.UUID] = []
+    now = datetime.datetime.now(datetime.UTC)
+    await mongodb.db[RECORDS].insert_one(
+        {"_id": key, "handler": handler_id, "event_id": str(event), "expirations": 2, "purge_at": now + HOUR}
+    )
+    consumer = inbox_consumer(broker, mongodb, q, effect_handler(q, calls, handler_id=handler_id))
+    async with running(consumer) as managed:
+        await publish(broker, q, event)
+        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
+        assert await broker.wait_for_depth(f"{q}.dlq", 1) == 1
+    assert (only(managed).outcome, only(managed).code) == ("dead_lettered", "QUEUE_TRANSACTION_EXPIRED")
+    assert calls == []
+    [copy] = await broker.drain(f"{q}.dlq")
+    assert copy.headers["x-lily-failure-code"] == "QUEUE_TRANSACTION_EXPIRED"
+    assert await mongodb.db[RECORDS].count_documents({"_id": key}) == 0  # a final verdict releases it
 
 
 # -- the scope is valid for one attempt only ------------------------------------------------------
