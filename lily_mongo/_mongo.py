@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 import pymongo
 from bson.errors import BSONError
 from pymongo import AsyncMongoClient
-from pymongo.errors import ConfigurationError, ConnectionFailure, OperationFailure, PyMongoError
+from pymongo.errors import (
+    ConfigurationError,
+    ConnectionFailure,
+    ExecutionTimeout,
+    OperationFailure,
+    PyMongoError,
+    WriteConcernError,
+)
 
 from ._redact import redact_url, scrub
 from .errors import ConfigError, LilyError, TransportError
@@ -25,6 +32,7 @@ if TYPE_CHECKING:
     from pymongo.asynchronous.collection import AsyncCollection
 
 __all__ = [
+    "DEFAULT_TRANSACTION_LIFETIME",
     "MONGO_ERRORS",
     "MongoFailure",
     "check_mongo",
@@ -36,12 +44,56 @@ __all__ = [
     "mongo_errors",
     "mongo_failure",
     "open_mongo",
+    "transaction_lifetime",
+    "wait_expired",
+    "write_unconfirmed",
 ]
 
 
 def error_labels(exc: PyMongoError) -> frozenset[str]:
     """The transaction labels an error carries: errors are classified by label, never by code or message."""
     return frozenset(label for label in TRANSACTION_LABELS if exc.has_error_label(label))
+
+
+def wait_expired(exc: PyMongoError) -> bool:
+    """The command ran out of its ``maxTimeMS`` (MaxTimeMSExpired) before it could act.
+
+    For a write outside a transaction that usually means it waited behind a transaction
+    holding the document (docs/inbox.md, "Bounded waits"). PyMongo raises
+    :class:`~pymongo.errors.ExecutionTimeout` for it (also when its own operation timeout
+    leaves no time to send the command); a write that applied but whose replication wait
+    ran out is a :func:`write_unconfirmed` instead.
+    """
+    return isinstance(exc, ExecutionTimeout)
+
+
+def write_unconfirmed(exc: PyMongoError) -> bool:
+    """The write concern was not satisfied (not majority-acknowledged in time, or refused).
+
+    The write may have applied on the primary and may still be rolled back: nothing it
+    returned can be trusted, so the caller treats it as a database failure.
+    """
+    return isinstance(exc, WriteConcernError)
+
+
+# MongoDB's default transactionLifetimeLimitSeconds, assumed where the server does not say.
+DEFAULT_TRANSACTION_LIFETIME = 60.0
+
+
+async def transaction_lifetime(client: AsyncMongoClient[Any]) -> float | None:
+    """The server's ``transactionLifetimeLimitSeconds``, or None where ``getParameter`` is refused.
+
+    Unprivileged users (MongoDB Atlas among them) get ``Unauthorized``; some servers and
+    emulators do not know the command at all.
+    """
+    try:
+        reply = await client.admin.command({"getParameter": 1, "transactionLifetimeLimitSeconds": 1})
+    except PyMongoError:
+        return None
+    value = reply.get("transactionLifetimeLimitSeconds")
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        return None
+    return float(value)
 
 
 def discard_server_session(session: AsyncClientSession) -> None:

@@ -147,6 +147,7 @@ async def build_engine(
             settings.inbox,
             owner_prefix=settings.name,
             outbox=outbox,
+            deadlines={name: queue.deadline for name, queue in plan.queues.items()},
             observer=observer,
         )
         try:

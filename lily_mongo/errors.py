@@ -39,11 +39,15 @@ class ErrorCode(enum.StrEnum):
     HANDLER_FAILED = "QUEUE_HANDLER_FAILED"
     HANDLER_TIMEOUT = "QUEUE_HANDLER_TIMEOUT"
     GUARD_REJECTED = "QUEUE_GUARD_REJECTED"
+    # An event whose attempt outlived the server's transaction lifetime twice (docs/inbox.md,
+    # "The transaction lifetime"): dead-lettered rather than replayed again.
+    TRANSACTION_EXPIRED = "QUEUE_TRANSACTION_EXPIRED"
     # Deferral codes: why a delivery was requeued without spending an application retry
     # (docs/settlement.md section 4, "deferred"). Kept unprefixed: they never reach a DLQ copy as such
     # (an exhausted deferral bound dead-letters with QUEUE_DEFERRALS_EXHAUSTED).
     LEASE_HELD = "LEASE_HELD"
     LEASE_LOST = "LEASE_LOST"
+    LEASE_BUSY = "LEASE_BUSY"
     REPLAY_BUDGET_SPENT = "REPLAY_BUDGET_SPENT"
     COMMIT_AMBIGUOUS = "COMMIT_AMBIGUOUS"
     MONGO_UNAVAILABLE = "MONGO_UNAVAILABLE"

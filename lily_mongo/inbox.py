@@ -30,6 +30,17 @@ For one delivery of handler ``H`` and event ``E`` (record ``_id`` ``"H|E"``):
    (fenced), then the runtime hands off; a deferral expires the lease and counts
    the deferral.
 
+Outside a transaction every write of the records is majority-acknowledged and
+every read majority-committed, whatever the client's defaults, and every such
+operation (and each commit) is bounded by a ``maxTimeMS``, cut to half the time
+left before the delivery's deadline while the handler has not run: a wait ends as
+a deferral (``LEASE_BUSY``, ``MONGO_UNAVAILABLE``), never as a timeout. Deferrals
+the lease protocol does not count in the same write are counted in the record
+(a counting record if there is none); an attempt whose transaction outlived the
+server's lifetime gets one more try, then ``QUEUE_TRANSACTION_EXPIRED``
+(docs/inbox.md: "Majority, always", "Bounded waits", "The transaction lifetime",
+"Counting deferrals").
+
 Budget (docs/inbox.md, commands per delivery): a first-time delivery whose handler makes ``k`` writes
 sends ``2 + k`` commands (the claim in the transaction, k writes, commit), a
 redelivered one ``3 + k`` (claim, completion, k writes, commit); a redelivered
@@ -45,12 +56,12 @@ import datetime
 import itertools
 import logging
 import random
-import time
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import pymongo
 from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError, PyMongoError
 from pymongo.read_concern import ReadConcern
@@ -59,9 +70,17 @@ from pymongo.write_concern import WriteConcern
 from . import records
 from ._backoff import backoff
 from ._checks import check_bool, check_int, check_seconds
-from ._mongo import discard_server_session, ensure_index, error_labels
+from ._mongo import (
+    DEFAULT_TRANSACTION_LIFETIME,
+    discard_server_session,
+    ensure_index,
+    error_labels,
+    transaction_lifetime,
+    wait_expired,
+    write_unconfirmed,
+)
 from ._observer import NO_OBSERVER, Observer
-from ._tasks import TaskSet
+from ._tasks import TaskSet, raise_if_cancel_requested
 from .bounds import DELIVERY_COUNT_HEADER
 from .errors import ConfigError, ErrorCode, ScopeClosedError
 from .extractors import NOT_DECODED
@@ -105,6 +124,8 @@ class InboxOptions:
     backoff_max: float = 1.0
     passive_indexes: bool = False
     claim_in_transaction: bool = True
+    max_wait_seconds: float = 10.0
+    transaction_lifetime_seconds: float | None = None  # default: read from the server at start
 
     def __post_init__(self) -> None:
         value = self.records
@@ -130,6 +151,11 @@ class InboxOptions:
             )
         check_bool("InboxOptions.passive_indexes", self.passive_indexes)
         check_bool("InboxOptions.claim_in_transaction", self.claim_in_transaction)
+        check_seconds("InboxOptions.max_wait_seconds", self.max_wait_seconds, low=0.05, high=600)
+        if self.transaction_lifetime_seconds is not None:
+            check_seconds(
+                "InboxOptions.transaction_lifetime_seconds", self.transaction_lifetime_seconds, low=1, high=86400
+            )
 
 
 class MongoScope:
@@ -200,11 +226,38 @@ class _Lease:
     key: str
     owner: str
     token: int
-    renewed_at: float = field(default_factory=time.monotonic)
+    renewed_at: float  # the event loop's clock
+    wait: float  # the bound on each write of the record outside a transaction (maxTimeMS)
+    until: float | None = None  # the delivery's deadline (the event loop's clock), when known
+    handler_id: str = ""
+    event_id: str = ""
     holding: bool = False  # the attempt's transaction has written the record and not ended
     lost: bool = False
     first: bool = False  # no lease: the attempt's transaction claims the record (a first-time copy)
-    event_id: str = ""
+    started: float = 0.0  # when the current attempt's transaction started (the event loop's clock)
+    cancelled_age: float | None = None  # the age of its transaction when an attempt was cancelled
+    expirations: int = 0  # attempts of this delivery whose transaction outlived the lifetime
+
+
+def _now() -> float:
+    """The event loop's clock (monotonic seconds)."""
+    return asyncio.get_running_loop().time()
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark a shielded task's outcome as seen (its awaiter may have been cancelled meanwhile)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a shielded inbox write failed", exc_info=task.exception())
+
+
+def _in_time(lease: _Lease) -> float:
+    """The bound of a wait before the handler runs: the lease's, and at most half the time left
+    before the delivery's deadline, so that a wait ends as a deferral, never cut off by the
+    deadline as a timeout (an application retry). PyMongo answers a bound smaller than a round
+    trip with ``ExecutionTimeout`` without sending anything."""
+    if lease.until is None:
+        return lease.wait
+    return min(lease.wait, max((lease.until - _now()) / 2, 0.001))
 
 
 class Inbox:
@@ -218,15 +271,27 @@ class Inbox:
         *,
         owner_prefix: str,
         outbox: OutboxRuntime,
+        deadlines: Mapping[str, float] | None = None,
         observer: Observer = NO_OBSERVER,
     ) -> None:
+        """``deadlines``: each queue's delivery deadline (seconds), which bounds the waits of its
+        deliveries and is compared with the server's transaction lifetime at start."""
         self._client = client
         self._observer = observer
         self._database = client[database]
         self._options = options
+        # Inside a transaction the transaction's read and write concerns apply.
         self._records = self._database[options.records]
-        self._majority_records = self._records.with_options(read_concern=ReadConcern("majority"))
+        # Outside one, every write is majority-acknowledged and every read majority-committed,
+        # whatever the client's defaults: a w:1 write can be rolled back, and a claim that read
+        # a completion a failover then undoes would ACK an event that never committed
+        # (docs/inbox.md, "Majority, always").
+        self._outside = self._records.with_options(
+            write_concern=WriteConcern("majority"), read_concern=ReadConcern("majority")
+        )
         self._outbox = outbox
+        self._deadlines = dict(deadlines or {})
+        self._lifetime = options.transaction_lifetime_seconds or DEFAULT_TRANSACTION_LIFETIME
         # Owner ids: "<consumer>:<process instance>:<attempt number>", unique without a uuid per delivery.
         self._owner_prefix = f"{owner_prefix[:64]}:{uuid.uuid4().hex[:12]}:"
         self._owner_numbers = itertools.count(1)
@@ -239,6 +304,18 @@ class Inbox:
     def records(self) -> str:
         """The name of the record collection."""
         return self._options.records
+
+    @property
+    def transaction_lifetime(self) -> float:
+        """The server's transaction lifetime in seconds, as read at start (docs/inbox.md)."""
+        return self._lifetime
+
+    def wait_for(self, queue: str) -> float:
+        """How long a write of a ``queue`` delivery's record outside a transaction may wait (its
+        ``maxTimeMS``): ``max_wait_seconds``, at most a quarter of the queue's delivery deadline."""
+        deadline = self._deadlines.get(queue)
+        wait = self._options.max_wait_seconds
+        return wait if deadline is None else min(wait, deadline / 4)
 
     # -- set-up and the heartbeat --------------------------------------------------------------
 
@@ -253,47 +330,92 @@ class Inbox:
         hello = await self._client.admin.command("hello")
         received = datetime.datetime.now(datetime.UTC)
         self._clock_offset = records.clock_offset(hello.get("localTime"), sent, received)
+        await self._read_lifetime()
         await ensure_index(
-            self._records,
+            self._outside,
             "lily_purge_at_ttl",
             [("purge_at", 1)],
             passive=self._options.passive_indexes,
             expireAfterSeconds=0,
         )
 
+    async def _read_lifetime(self) -> None:
+        """Read the server's transaction lifetime; warn about queues whose deadline exceeds it.
+
+        A deadline longer than the lifetime lets an attempt run until the server aborts its
+        transaction for its age; the inbox then gives it one more try and dead-letters it
+        with ``QUEUE_TRANSACTION_EXPIRED`` (docs/inbox.md, "The transaction lifetime"). That
+        is a warning, not a refusal to start: the limit is a server parameter an operator
+        may change while consumers run, and where the server does not say it is a guess.
+        """
+        lifetime = self._options.transaction_lifetime_seconds
+        read = "InboxOptions.transaction_lifetime_seconds"
+        if lifetime is None:
+            lifetime = await transaction_lifetime(self._client)
+            read = "the server's transactionLifetimeLimitSeconds"
+            if lifetime is None:
+                lifetime = DEFAULT_TRANSACTION_LIFETIME
+                read = "MongoDB's default transaction lifetime (the server did not answer getParameter)"
+                log.info(
+                    "the server did not say its transactionLifetimeLimitSeconds (getParameter refused); the inbox "
+                    "assumes %g s: set InboxOptions.transaction_lifetime_seconds if it differs",
+                    lifetime,
+                )
+        self._lifetime = lifetime
+        for queue, deadline in sorted(self._deadlines.items()):
+            if deadline > lifetime:
+                log.warning(
+                    "queue %s: its delivery deadline (%g s) exceeds %s (%g s): an attempt that runs longer is "
+                    "aborted by the server, tried once more, then dead-lettered with %s",
+                    queue,
+                    deadline,
+                    read,
+                    lifetime,
+                    ErrorCode.TRANSACTION_EXPIRED.value,
+                )
+
     def start(self, tasks: TaskSet) -> None:
         """Start the heartbeat, a task of the supervisor's."""
         tasks.spawn(self._heartbeat(), name="lily-heartbeat")
 
     async def _heartbeat(self) -> None:
-        """Renew the lease of every running delivery whose last renewal is a beat old, fenced."""
+        """Renew the lease of every running delivery whose last renewal is a beat old, fenced.
+
+        The renewals of one beat run concurrently, each bounded by its ``maxTimeMS``: one
+        record held by a transaction (its renewal waits on MongoDB) never holds up the others.
+        """
         interval = self._heartbeat_seconds
-        options = self._options
         while True:
             await asyncio.sleep(interval / 2)
-            now = time.monotonic()
-            for lease in list(self._leases):
-                if lease.lost or now - lease.renewed_at < interval or not records.may_renew(holding=lease.holding):
-                    continue
-                try:
-                    result = await self._records.update_one(
-                        records.fence(lease.key, lease.owner, lease.token),
-                        records.renewal_update(
-                            lease_seconds=options.lease_seconds, stale_seconds=options.stale_lease_seconds
-                        ),
-                    )
-                    matched: bool | None = result.matched_count > 0
-                except PyMongoError:
-                    matched = None
-                verdict = records.heartbeat_verdict(
-                    matched=matched,
-                    unrenewed_for=time.monotonic() - lease.renewed_at,
-                    lease_seconds=options.lease_seconds,
+            now = _now()
+            due = [
+                lease
+                for lease in self._leases
+                if not lease.lost and now - lease.renewed_at >= interval and records.may_renew(holding=lease.holding)
+            ]
+            if due:
+                await asyncio.gather(*(self._renew(lease) for lease in due))
+
+    async def _renew(self, lease: _Lease) -> None:
+        options = self._options
+        try:
+            with pymongo.timeout(min(lease.wait, self._heartbeat_seconds)):
+                result = await self._outside.update_one(
+                    records.fence(lease.key, lease.owner, lease.token),
+                    records.renewal_update(
+                        lease_seconds=options.lease_seconds, stale_seconds=options.stale_lease_seconds
+                    ),
                 )
-                if verdict is Heartbeat.RENEWED:
-                    lease.renewed_at = time.monotonic()
-                elif verdict is Heartbeat.LOST:
-                    lease.lost = True
+            matched: bool | None = result.matched_count > 0
+        except PyMongoError:
+            matched = None
+        verdict = records.heartbeat_verdict(
+            matched=matched, unrenewed_for=_now() - lease.renewed_at, lease_seconds=options.lease_seconds
+        )
+        if verdict is Heartbeat.RENEWED:
+            lease.renewed_at = _now()
+        elif verdict is Heartbeat.LOST:
+            lease.lost = True
 
     # -- one delivery --------------------------------------------------------------------------
 
@@ -307,24 +429,51 @@ class Inbox:
     async def execute(self, route: HandlerRoute, delivery: RawDelivery, payload: Any, invoke: Invoke) -> Execution:
         """Run one delivery under the record protocol; ``payload`` is the body decoded while preparing."""
         event_id = str(delivery.envelope.event_id)
-        key = records.record_key(route.handler_id, event_id)
+        handler_id = route.handler_id
+        key = records.record_key(handler_id, event_id)
+        wait = self.wait_for(route.queue)
+        deadline = self._deadlines.get(route.queue)
+        until = None if deadline is None else _now() + deadline
         execution = Execution(PipelineResult(Outcome.DEFERRED, ErrorCode.REPLAY_BUDGET_SPENT, ""))
+        expirations = 0
         if self._options.claim_in_transaction and records.claims_in_transaction(
             redelivered=delivery.redelivered, delivery_count=delivery.headers.get(DELIVERY_COUNT_HEADER)
         ):
             # A first-time copy: the claim is the transaction's first write (2 + k commands).
             # It leaves no lease behind: nothing to renew, nothing to release.
-            first = _Lease(key, self._new_owner(), 1, first=True, event_id=event_id)
-            if await self._attempts(route, first, execution, payload, invoke):
+            first = _Lease(
+                key,
+                self._new_owner(),
+                1,
+                _now(),
+                wait,
+                until,
+                handler_id=handler_id,
+                event_id=event_id,
+                first=True,
+            )
+            try:
+                done = await self._attempts(route, first, execution, payload, invoke)
+            except asyncio.CancelledError:
+                await self._count_if_outlived(first)
+                raise
+            if done:
+                if execution.result.outcome is Outcome.DEFERRED:
+                    # No record of its own counts this deferral: a counting record does.
+                    await self._count_into(execution, first)
                 return execution
+            expirations = first.expirations
         owner = self._new_owner()
+        claimant = _Lease(key, owner, 0, _now(), wait, until, handler_id=handler_id, event_id=event_id)
+        bound = _in_time(claimant)
         try:
-            record = await self._observer.inbox_claim(self._claim(key, route.handler_id, event_id, owner), owner)
+            record = await self._observer.inbox_claim(self._claim(key, handler_id, event_id, owner, bound), owner)
         except PyMongoError as exc:
-            # The database is unreachable or refused: infrastructure, not an application
-            # failure. Requeue (bounded) without running the handler.
-            reason = f"inbox unavailable: {type(exc).__name__}"
-            execution.result = PipelineResult(Outcome.DEFERRED, ErrorCode.MONGO_UNAVAILABLE, reason)
+            # The database is unreachable, refused, or kept the claim waiting past its maxTimeMS
+            # behind a transaction that holds the record: infrastructure, not an application
+            # failure. Requeue (bounded, counted) without running the handler.
+            execution.result = self._claim_failed(exc, bound)
+            await self._count_into(execution, claimant)
             return execution
         claim = records.read_claim(record, owner)
         if claim.kind is ClaimKind.DUPLICATE:
@@ -336,33 +485,74 @@ class Inbox:
             )
             execution.deferrals, execution.backoff_limit = claim.deferrals, claim.remaining
             return execution
-        lease = _Lease(key, owner, claim.token)
+        lease = _Lease(
+            key,
+            owner,
+            claim.token,
+            _now(),
+            wait,
+            until,
+            handler_id=handler_id,
+            event_id=event_id,
+            expirations=expirations,
+        )
         self._leases.add(lease)
         settled = False
         try:
-            settled = await self._attempts(route, lease, execution, payload, invoke)
+            if records.may_try_again_after_expiry(claim.expirations):
+                settled = await self._attempts(route, lease, execution, payload, invoke)
+            else:  # its attempts outlived the lifetime twice already: no third (docs/inbox.md)
+                execution.result = PipelineResult(
+                    Outcome.PERMANENT,
+                    ErrorCode.TRANSACTION_EXPIRED,
+                    f"{claim.expirations} attempts outlived the server's transaction lifetime ({self._lifetime:g} s)",
+                )
+                settled = True
         finally:
             self._leases.discard(lease)
             outcome = execution.result.outcome if settled else None
             if outcome is not Outcome.SUCCESS and outcome is not Outcome.DUPLICATE:
                 # Release even if this task is being cancelled. Cancelled from outside
                 # (deadline, forced shutdown), the attempt is not a deferral: the runtime
-                # settles it otherwise, so the record is simply released.
-                deferred = outcome is Outcome.DEFERRED
-                release = asyncio.ensure_future(self._release(lease, deferred=deferred))
+                # settles it otherwise, so the record is released without a count.
+                release = asyncio.ensure_future(self._release(lease, outcome))
+                release.add_done_callback(_retrieved)  # its failure is logged below, unless cancelled meanwhile
                 try:
                     deferrals = await asyncio.shield(release)
                 except PyMongoError:
                     log.warning("releasing an inbox lease failed; it will expire", exc_info=True)
-                    deferrals = 0
-                if settled and deferred:
+                    deferred = outcome is Outcome.DEFERRED
+                    deferrals = await self._count(lease, records.DEFERRALS, bound=_in_time(lease)) if deferred else None
+                if deferrals is not None:
                     execution.deferrals = deferrals
         return execution
+
+    async def count_deferral(self, route: HandlerRoute, delivery: RawDelivery) -> int | None:
+        """Count a deferral the inbox did not decide (a forced shutdown's) in the event's record.
+
+        Returns the event's deferrals so far, or None when the database could not count it
+        (the caller's in-process count is the fallback).
+        """
+        event_id = str(delivery.envelope.event_id)
+        key = records.record_key(route.handler_id, event_id)
+        lease = _Lease(key, "", 0, _now(), self.wait_for(route.queue), handler_id=route.handler_id, event_id=event_id)
+        return await self._count(lease, records.DEFERRALS)
 
     def _new_owner(self) -> str:
         return f"{self._owner_prefix}{next(self._owner_numbers)}"
 
-    async def _claim(self, key: str, handler_id: str, event_id: str, owner: str) -> dict[str, Any]:
+    @staticmethod
+    def _claim_failed(exc: PyMongoError, wait: float) -> PipelineResult:
+        """The deferral a failed claim becomes: it never ran the handler."""
+        if wait_expired(exc):
+            reason = f"the claim waited {wait:g} s (its maxTimeMS) for a transaction that holds the record"
+            return PipelineResult(Outcome.DEFERRED, ErrorCode.LEASE_BUSY, reason)
+        if write_unconfirmed(exc):
+            reason = f"the claim was not majority-acknowledged: {type(exc).__name__}"
+            return PipelineResult(Outcome.DEFERRED, ErrorCode.MONGO_UNAVAILABLE, reason)
+        return PipelineResult(Outcome.DEFERRED, ErrorCode.MONGO_UNAVAILABLE, f"inbox unavailable: {type(exc).__name__}")
+
+    async def _claim(self, key: str, handler_id: str, event_id: str, owner: str, wait: float) -> dict[str, Any]:
         pipeline = records.claim_pipeline(
             handler_id,
             event_id,
@@ -370,29 +560,87 @@ class Inbox:
             lease_seconds=self._options.lease_seconds,
             stale_seconds=self._options.stale_lease_seconds,
         )
-        for _ in range(3):
-            try:
-                record: dict[str, Any] | None = await self._records.find_one_and_update(
-                    {"_id": key}, pipeline, upsert=True, return_document=ReturnDocument.AFTER
-                )
-            except DuplicateKeyError:
-                continue  # two concurrent upserts of a new key: the loser retries as an update
-            assert record is not None
-            return record
+        with pymongo.timeout(wait):
+            for _ in range(3):
+                try:
+                    record: dict[str, Any] | None = await self._outside.find_one_and_update(
+                        {"_id": key}, pipeline, upsert=True, return_document=ReturnDocument.AFTER
+                    )
+                except DuplicateKeyError:
+                    continue  # two concurrent upserts of a new key: the loser retries as an update
+                assert record is not None
+                return record
         raise DuplicateKeyError("the inbox claim kept colliding on upsert")  # pragma: no cover - the caller defers
 
-    async def _release(self, lease: _Lease, *, deferred: bool) -> int:
-        """Fenced release: delete on a final verdict; on a deferral expire it and return the deferral count."""
+    async def _release(self, lease: _Lease, outcome: Outcome | None) -> int | None:
+        """Fenced release: delete on a final verdict; on a deferral expire it and return the deferral count.
+
+        ``outcome`` None: cancelled from outside; the record is deleted unless it counts
+        deferrals or expired transactions, which a plain release keeps. A cancelled attempt
+        whose transaction had outlived the lifetime is counted as such first.
+        """
         fence = records.fence(lease.key, lease.owner, lease.token)
-        if not deferred:
-            await self._records.delete_one(fence)
-            return 0
-        record = await self._records.find_one_and_update(
-            fence, records.deferral_release_update(), return_document=ReturnDocument.AFTER
+        if outcome is None:
+            await self._count_if_outlived(lease)
+        # A verdict is settled before the delivery's deadline: its release must end in time
+        # (docs/inbox.md, "Bounded waits"). Cancelled from outside, the deadline is past.
+        bound = lease.wait if outcome is None else _in_time(lease)
+        with pymongo.timeout(bound):
+            if outcome is None:
+                deleted = await self._outside.delete_one(
+                    records.cancelled_release_filter(lease.key, lease.owner, lease.token)
+                )
+                if deleted.deleted_count == 0:
+                    await self._outside.update_one(fence, records.released_update())
+                return None
+            if outcome is not Outcome.DEFERRED:
+                await self._outside.delete_one(fence)
+                return None
+            record = await self._outside.find_one_and_update(
+                fence, records.deferral_release_update(), return_document=ReturnDocument.AFTER
+            )
+        if record is None:  # lost (or committed) meanwhile: count this deferral on whatever is there
+            return await self._count(lease, records.DEFERRALS, bound=_in_time(lease))
+        return records.read_count(record, records.DEFERRALS)
+
+    async def _count(self, lease: _Lease, counter: str, *, bound: float | None = None) -> int | None:
+        """Count one more ``counter`` in the event's record (created if absent); None when that fails."""
+        update = records.count_update(
+            counter, lease.handler_id, lease.event_id, stale_seconds=self._options.stale_lease_seconds
         )
-        if record is None:  # lost (or committed) meanwhile: count on whatever is there
-            record = await self._records.find_one({"_id": lease.key}, projection={"deferrals": 1}) or {}
-        return int(record.get("deferrals", 0))
+        try:
+            with pymongo.timeout(lease.wait if bound is None else bound):
+                for _ in range(3):
+                    try:
+                        record = await self._outside.find_one_and_update(
+                            {"_id": lease.key},
+                            update,
+                            upsert=True,
+                            projection={counter: 1},
+                            return_document=ReturnDocument.AFTER,
+                        )
+                    except DuplicateKeyError:
+                        continue  # two concurrent upserts of a new key: the loser retries as an update
+                    return records.read_count(record, counter)
+        except PyMongoError:
+            log.debug("counting %s in the inbox record failed", counter, exc_info=True)
+        return None
+
+    async def _count_if_outlived(self, lease: _Lease) -> None:
+        """An attempt cancelled from outside while its transaction was older than the lifetime
+        (the server has aborted it, or will): it counts as one that outlived it."""
+        age = lease.cancelled_age
+        if age is not None and records.outlived(age, self._lifetime):
+            await asyncio.shield(self._count(lease, records.EXPIRATIONS))
+
+    async def _count_into(self, execution: Execution, lease: _Lease) -> None:
+        """Count the deferral ``execution`` concluded in the record; on failure the runtime's count stands.
+
+        Counted before the delivery's deadline, as the claim is: the handler has not run.
+        """
+        count = await self._count(lease, records.DEFERRALS, bound=_in_time(lease))
+        if count is not None:
+            execution.deferrals = count
 
     async def _attempts(
         self, route: HandlerRoute, lease: _Lease, execution: Execution, payload: Any, invoke: Invoke
@@ -430,6 +678,14 @@ class Inbox:
                 return False
             except _Replay as replay:
                 execution.transient_replays += 1
+                if records.outlived(_now() - lease.started, self._lifetime) and not await self._may_try_again(lease):
+                    execution.result = PipelineResult(
+                        Outcome.PERMANENT,
+                        ErrorCode.TRANSACTION_EXPIRED,
+                        f"the attempt's transaction outlived the server's transaction lifetime "
+                        f"({self._lifetime:g} s) again; last: {replay}",
+                    )
+                    return True
                 if records.next_after_replay(execution.transient_replays, options.replay_budget) is ErrorStep.DEFER:
                     execution.result = PipelineResult(
                         Outcome.DEFERRED,
@@ -439,6 +695,7 @@ class Inbox:
                         replay.handler_error,
                     )
                     return True
+                raise_if_cancel_requested()  # cancelled while the attempt ignored it: no replay
                 await asyncio.sleep(
                     backoff(
                         execution.transient_replays,
@@ -450,6 +707,13 @@ class Inbox:
                 if lease.first:
                     return False
 
+    async def _may_try_again(self, lease: _Lease) -> bool:
+        """An attempt's transaction outlived the lifetime: count it in the record (it holds across
+        deliveries) and in this delivery; the first expiry gets one more try, the second none."""
+        lease.expirations += 1
+        counted = await self._count(lease, records.EXPIRATIONS, bound=_in_time(lease))
+        return records.may_try_again_after_expiry(max(lease.expirations, counted or 0))
+
     async def _attempt(
         self, route: HandlerRoute, lease: _Lease, execution: Execution, payload: Any, invoke: Invoke
     ) -> PipelineResult:
@@ -459,14 +723,17 @@ class Inbox:
                 read_concern=ReadConcern("snapshot"), write_concern=WriteConcern("majority")
             )
             lease.holding = True  # from the completion write until the commit or abort ends
+            lease.started = _now()
             if lease.first:
                 found = await self._first_claim(session, route, lease)
                 if found is FirstClaim.DUPLICATE:
                     # Commit, not abort: a majority commit of this read-only transaction waits
                     # until the snapshot that showed the completion is majority-committed, so a
-                    # failover cannot roll back the completion this ACK relies on.
+                    # failover cannot roll back the completion this ACK relies on. The wait is
+                    # bounded like every wait for the majority (docs/inbox.md, "Bounded waits").
                     try:
-                        await session.commit_transaction()
+                        with pymongo.timeout(_in_time(lease)):
+                            await session.commit_transaction()
                     except PyMongoError:
                         discard_server_session(session)
                         raise _Contended from None  # not confirmed: the lease claim decides
@@ -507,6 +774,10 @@ class Inbox:
             if result is _SUCCESS and outbox.written:
                 self._outbox.committed(outbox)  # dispatched after the commit; the ACK does not wait
             return result
+        except asyncio.CancelledError:
+            if lease.holding:  # cancelled from outside while its transaction was open
+                lease.cancelled_age = _now() - lease.started
+            raise
         finally:
             lease.holding = False
             await session.end_session()
@@ -549,9 +820,14 @@ class Inbox:
                 discard_server_session(session)
 
     async def _commit(self, session: AsyncClientSession, lease: _Lease, execution: Execution) -> PipelineResult:
-        """Commit; on an unknown result retry the same commit, then read the record (two separate loops)."""
+        """Commit; on an unknown result retry the same commit, then read the record (two separate loops).
+
+        Each commit's wait for the majority is bounded (``maxTimeMS``): one that runs out is
+        an unknown result, reconciled like a lost reply (docs/inbox.md, "Bounded waits").
+        """
         try:
-            await session.commit_transaction()
+            with pymongo.timeout(lease.wait):
+                await session.commit_transaction()
             return _SUCCESS
         except PyMongoError as exc:
             if records.classify_error(error_labels(exc), in_commit=True) is ErrorStep.REPLAY:
@@ -567,13 +843,18 @@ class Inbox:
             delay = backoff(retry, base=options.backoff_base, cap=options.backoff_max, jitter=random.random())
             await asyncio.sleep(delay)
             try:
-                await session.commit_transaction()
+                with pymongo.timeout(lease.wait):
+                    await session.commit_transaction()
                 return _SUCCESS
             except PyMongoError as exc:
                 if records.classify_error(error_labels(exc), in_commit=True) is not ErrorStep.RETRY_COMMIT:
                     break
         discard_server_session(session)
-        record = await self._majority_records.find_one({"_id": lease.key})
+        try:
+            with pymongo.timeout(lease.wait):
+                record = await self._outside.find_one({"_id": lease.key})
+        except PyMongoError:
+            record = None  # unread: not known to be completed, so the next delivery decides
         verdict = records.reconcile(record, lease.owner, lease.token)
         if verdict is Reconciled.COMMITTED:
             return _SUCCESS

@@ -17,10 +17,10 @@ This module holds both halves of every step:
 
 * the **server side**: the MongoDB update each step sends (:func:`claim_pipeline`,
   :func:`completion_update`, ...) and, beside it, the same transition written in
-  Python (:func:`claim_transition`, ...). The Python transitions are what the
-  protocol model (``tests/property/test_inbox_model.py``) runs against its
-  simulated MongoDB; an integration test holds each pipeline equal to its
-  transition on a real server;
+  Python (:func:`claim_transition`, ...). The protocol model
+  (``tests/property/test_inbox_model.py``) runs the inbox against a simulated
+  MongoDB that evaluates the updates it sends through these transitions; an
+  integration test holds each pipeline equal to its transition on a real server;
 * the **consumer side**: what the consumer concludes from what the server
   answered (:func:`read_claim`, :func:`classify_error`, :func:`reconcile`,
   :func:`next_after_replay`, :func:`heartbeat_verdict`).
@@ -39,6 +39,8 @@ from typing import Any
 
 __all__ = [
     "COMPLETED",
+    "DEFERRALS",
+    "EXPIRATIONS",
     "LEASED",
     "TRANSACTION_LABELS",
     "TRANSIENT_LABEL",
@@ -49,6 +51,7 @@ __all__ = [
     "FirstClaim",
     "Heartbeat",
     "Reconciled",
+    "cancelled_release_filter",
     "claim_pipeline",
     "claim_transition",
     "claims_in_transaction",
@@ -56,6 +59,9 @@ __all__ = [
     "clock_offset",
     "completion_transition",
     "completion_update",
+    "count_transition",
+    "count_update",
+    "counts_nothing",
     "deferral_release_update",
     "fence",
     "first_claim_falls_back",
@@ -63,12 +69,17 @@ __all__ = [
     "first_claim_update",
     "heartbeat_verdict",
     "may_renew",
+    "may_try_again_after_expiry",
     "next_after_replay",
+    "outlived",
     "read_claim",
+    "read_count",
     "read_first_claim",
     "reconcile",
     "record_key",
     "release_transition",
+    "released_transition",
+    "released_update",
     "renewal_transition",
     "renewal_update",
 ]
@@ -80,6 +91,10 @@ COMPLETED = "completed"
 TRANSIENT_LABEL = "TransientTransactionError"
 UNKNOWN_COMMIT_LABEL = "UnknownTransactionCommitResult"
 TRANSACTION_LABELS = (TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL)
+# The record's two counters outside the lease (docs/inbox.md, "Counting deferrals"):
+# deliveries deferred, and attempts whose transaction outlived the server's lifetime limit.
+DEFERRALS = "deferrals"
+EXPIRATIONS = "expirations"
 
 Record = Mapping[str, Any]
 
@@ -110,6 +125,7 @@ class Claim:
     token: int = 0  # the fencing token of this attempt's lease (LEASED)
     deferrals: int = 0  # deliveries of this event deferred so far (HELD: including this one)
     remaining: float | None = None  # seconds left on the holder's lease, server clock (HELD)
+    expirations: int = 0  # attempts of this event whose transaction outlived the lifetime (LEASED)
 
 
 def claim_pipeline(
@@ -206,7 +222,7 @@ def read_claim(record: Record, owner: str) -> Claim:
     if record.get("state") == COMPLETED:
         return Claim(ClaimKind.DUPLICATE)
     if record.get("owner") == owner:
-        return Claim(ClaimKind.LEASED, token=int(record["token"]))
+        return Claim(ClaimKind.LEASED, token=int(record["token"]), expirations=read_count(record, EXPIRATIONS))
     expires, checked = _aware(record.get("expires_at")), _aware(record.get("checked_at"))
     remaining = max((expires - checked).total_seconds(), 0.0) if expires and checked else None
     return Claim(ClaimKind.HELD, deferrals=int(record.get("deferrals", 0)), remaining=remaining)
@@ -420,6 +436,91 @@ def release_transition(
     return doc, True
 
 
+def cancelled_release_filter(key: str, owner: str, token: int) -> dict[str, Any]:
+    """The fenced delete of an attempt cancelled from outside: only while the record counts nothing.
+
+    A record that counts deferrals or expired transactions keeps them (the copy may be
+    requeued, by a forced shutdown for one): it is released with :func:`released_update`
+    instead, so no count is lost (docs/inbox.md, "Counting deferrals").
+    """
+    return {**fence(key, owner, token), DEFERRALS: {"$in": [0, None]}, EXPIRATIONS: {"$in": [0, None]}}
+
+
+def counts_nothing(record: Record | None) -> bool:
+    """Whether the record counts no deferral and no expired transaction (:func:`cancelled_release_filter`)."""
+    return record is not None and not record.get(DEFERRALS) and not record.get(EXPIRATIONS)
+
+
+def released_update() -> list[dict[str, Any]]:
+    """Give the lease up without counting anything: no owner, expired now (sent with :func:`fence`)."""
+    return [{"$set": {"owner": None, "expires_at": "$$NOW"}}]
+
+
+def released_transition(
+    record: Record | None, owner: str, token: int, *, now: datetime.datetime
+) -> dict[str, Any] | None:
+    """The record after :func:`released_update`, or None when the fence matches nothing."""
+    if not _fenced(record, owner, token):
+        return None
+    assert record is not None
+    return {**record, "owner": None, "expires_at": now}
+
+
+# -- counters a delivery adds without holding the lease --------------------------------------------
+
+
+def count_update(counter: str, handler_id: str, event_id: str, *, stale_seconds: float) -> list[dict[str, Any]]:
+    """Count one more deferral (``counter`` :data:`DEFERRALS`) or expired transaction (:data:`EXPIRATIONS`).
+
+    Sent as ``find_one_and_update({"_id": key}, this, upsert=True)`` returning the record
+    after, outside any transaction and majority-acknowledged, whenever a delivery must count
+    something the lease protocol did not count in the same write (a claim that failed or
+    timed out, a first-time copy deferred without a record, a release that matched
+    nothing). Absent, the record is created as a *counting record*: no state, no owner, so
+    the next claim takes it as a free lease and the count carries on. ``purge_at`` is kept,
+    or pushed to ``stale_seconds`` from now if that is later (see :func:`count_transition`).
+    """
+    return [
+        {
+            "$set": {
+                "handler": {"$ifNull": ["$handler", handler_id]},
+                "event_id": {"$ifNull": ["$event_id", event_id]},
+                counter: {"$add": [{"$ifNull": [f"${counter}", 0]}, 1]},
+                "purge_at": {"$max": ["$purge_at", {"$add": ["$$NOW", _ms(stale_seconds)]}]},
+            }
+        }
+    ]
+
+
+def count_transition(
+    record: Record | None,
+    counter: str,
+    *,
+    key: str,
+    handler_id: str,
+    event_id: str,
+    now: datetime.datetime,
+    stale_seconds: float,
+) -> dict[str, Any]:
+    """The record after :func:`count_update`: ``counter`` + 1, created if absent; nothing else changes."""
+    doc: dict[str, Any] = dict(record) if record is not None else {"_id": key}
+    if doc.get("handler") is None:
+        doc["handler"] = handler_id
+    if doc.get("event_id") is None:
+        doc["event_id"] = event_id
+    doc[counter] = int(doc.get(counter) or 0) + 1
+    stale = now + datetime.timedelta(seconds=stale_seconds)
+    purge, later = _aware(doc.get("purge_at")), _aware(stale)
+    if purge is None or (later is not None and purge < later):
+        doc["purge_at"] = stale
+    return doc
+
+
+def read_count(record: Record | None, counter: str) -> int:
+    """The count ``counter`` a record holds (0 when it holds none)."""
+    return int((record or {}).get(counter) or 0)
+
+
 # -- consumer-side decisions ---------------------------------------------------------------------
 
 
@@ -443,6 +544,20 @@ def classify_error(labels: Collection[str], *, in_commit: bool) -> ErrorStep:
 def next_after_replay(replays: int, budget: int) -> ErrorStep:
     """After the ``replays``-th replay request: replay again within the budget, else defer."""
     return ErrorStep.REPLAY if replays <= budget else ErrorStep.DEFER
+
+
+def outlived(age: float, lifetime: float) -> bool:
+    """Did an attempt whose transaction failed ``age`` seconds after it started outlive the server's
+    transaction lifetime (``transactionLifetimeLimitSeconds``)? Then the server has probably
+    aborted it for its age: replaying it as it was would meet the same end."""
+    return age >= lifetime
+
+
+def may_try_again_after_expiry(expirations: int) -> bool:
+    """After the ``expirations``-th attempt of an event whose transaction outlived the lifetime:
+    one more try (the first time), then no more: the delivery is dead-lettered
+    (``QUEUE_TRANSACTION_EXPIRED``, docs/inbox.md, "The transaction lifetime")."""
+    return expirations < 2
 
 
 class Reconciled(enum.Enum):

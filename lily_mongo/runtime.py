@@ -619,9 +619,12 @@ class Runtime:
                 reason = f"handler exceeded the delivery deadline of {options.deadline:g} s"
                 return Execution(PipelineResult(Outcome.RETRYABLE, ErrorCode.HANDLER_TIMEOUT, reason), attempts=1)
             # A forced shutdown is an infrastructure event, not an application failure:
-            # requeue without spending a retry.
+            # requeue without spending a retry, counted in the inbox record where there is one.
             reason = "cancelled by a forced shutdown"
-            return Execution(PipelineResult(Outcome.DEFERRED, ErrorCode.SHUTDOWN, reason), attempts=1)
+            execution = Execution(PipelineResult(Outcome.DEFERRED, ErrorCode.SHUTDOWN, reason), attempts=1)
+            if route.guarantee == "inbox" and self.inbox is not None:
+                execution.deferrals = await self.inbox.count_deferral(route, raw) or 0
+            return execution
         finally:
             if delivery.stage is _EXECUTING or delivery.stage is _CUT_OFF:  # not dropped meanwhile
                 delivery.stage = _SETTLING
@@ -655,9 +658,9 @@ class Runtime:
         deferrals = execution.deferrals
         if result.outcome is Outcome.DEFERRED:
             qr.counters.deferrals += 1
-            # The inbox record counts lease deferrals; deferrals that never reached a
-            # record (database unavailable, forced shutdown) are counted here, and a quorum
-            # queue's x-delivery-count bounds them across processes too.
+            # The inbox counts every deferral in the event's record (docs/settlement.md, section 4);
+            # where MongoDB could not count it, this process's count is the fallback, and on a
+            # quorum queue before RabbitMQ 4.3 the broker's x-delivery-count bounds it as well.
             local = qr.deferral_counts.bump(key)
             delivery_count = delivery.message.headers.get(DELIVERY_COUNT_HEADER)
             broker = delivery_count if type(delivery_count) is int else 0

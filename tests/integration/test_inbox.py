@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -31,13 +32,14 @@ from lily_mongo import (
     ManagedConsumer,
     MongoScope,
     QueueHandlerError,
+    RetryCount,
     RetryPolicy,
     ScopeClosedError,
     TerminalObservation,
     queue,
 )
 from lily_mongo.testing import Faults
-from tests.support import Broker, MongoDB, eventually, one_event, outcomes, running
+from tests.support import Broker, MongoDB, accepting, eventually, one_event, outcomes, running
 
 Handler = Callable[..., Awaitable[None]]
 
@@ -47,6 +49,7 @@ EFFECTS = "effects"
 # not retryable for PyMongo, so the driver does not retry the commit itself (the library does).
 AMBIGUOUS = {"code": 50, "labels": ["UnknownTransactionCommitResult"]}
 RETRY_COMMITS_TWICE = InboxOptions(commit_retries=2, backoff_base=0.01)
+HOUR = datetime.timedelta(hours=1)
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -602,6 +605,171 @@ async def test_held_lease_defers_until_the_bound_then_dead_letters(broker: Broke
     assert record is not None
     assert (record["state"], record["owner"], record["token"], record["deferrals"]) == ("leased", "elsewhere:0:0", 7, 3)
     assert await db[EFFECTS].count_documents({}) == 0
+
+
+# -- a claim that waits behind a transaction: a deferral, never an application retry ---------------
+#
+# On MongoDB a claim waits while another transaction holds the record (a crashed consumer's
+# for up to about 1.5 x transactionLifetimeLimitSeconds) and gives up at its maxTimeMS with
+# MaxTimeMSExpired (code 50). The emulator makes no writer wait (docs/emulator.md), so the
+# answer is injected on the claim; the protocol model shows the wait itself.
+
+
+@pytest.mark.parametrize("max_deferrals", [5, 1], ids=["then-completes", "at-the-bound"])
+async def test_a_claim_that_times_out_is_a_counted_deferral_and_spends_no_retry(
+    broker: Broker, mongodb: MongoDB, failpoints: Faults, max_deferrals: int
+) -> None:
+    q, handler_id, event, key = one_event(broker, "busy")
+    retries_seen: list[int] = []
+
+    @queue(q, version=1, content="json", handler_id=handler_id)
+    async def handle(event_id: EventId, retry_count: RetryCount, mongo: MongoScope) -> None:
+        retries_seen.append(retry_count)
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
+
+    # Lease first: the claim is the write outside a transaction that waits on MongoDB.
+    consumer = inbox_consumer(
+        broker,
+        mongodb,
+        q,
+        handle,
+        inbox=InboxOptions(claim_in_transaction=False),
+        max_deferrals=max_deferrals,
+        retry=RetryPolicy(max_retries=3, delays=(30.0,)),
+    )
+    async with running(consumer) as managed:
+        await failpoints.fail(["findAndModify"], code=50, namespace=f"{mongodb.name}.{RECORDS}")
+        await publish(broker, q, event, retry_count=1)
+        await eventually(lambda: len(outcomes(managed)) == 2 - (max_deferrals == 1), timeout=8.0, what="settlement")
+        assert await broker.wait_for_depth(q, 0) == 0
+    observations = managed.delivery_terminal_observations()
+    assert (observations[0].code, observations[0].attempts) == (
+        "LEASE_BUSY" if max_deferrals > 1 else "QUEUE_DEFERRALS_EXHAUSTED",
+        0,
+    )
+    assert "maxTimeMS" in observations[0].reason
+    record = await mongodb.db[RECORDS].find_one({"_id": key})
+    assert await broker.depth(f"{q}.retry.0") == 0  # no application retry was spent
+    if max_deferrals > 1:
+        assert [o.outcome for o in observations] == ["deferred", "acked"]
+        assert retries_seen == [1]  # the redelivered original, x-retry-count unchanged
+        assert record is not None
+        assert (record["state"], record["deferrals"]) == ("completed", 1)  # counted, kept by the completion
+        return
+    [copy] = await broker.drain(f"{q}.dlq")
+    assert copy.headers["x-lily-failure-code"] == "QUEUE_DEFERRALS_EXHAUSTED"
+    assert copy.headers["x-retry-count"] == 1
+    assert retries_seen == []
+    assert record is not None
+    assert record["deferrals"] == 1  # the counting record: no lease, no state
+    assert (record.get("state"), record.get("owner")) == (None, None)
+
+
+@pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])
+async def test_a_forced_shutdowns_deferral_is_counted_in_the_record(
+    claim_in_transaction: bool, broker: Broker, mongodb: MongoDB
+) -> None:
+    # A forced shutdown cancels the handler: deferred (SHUTDOWN), and counted in the event's record
+    # where the next process finds it (docs/inbox.md, "Counting deferrals"), not only in the memory
+    # of the process that is going away.
+    q, handler_id, event, key = one_event(broker, "forced")
+    entered = asyncio.Event()
+
+    @queue(q, version=1, content="json", handler_id=handler_id)
+    async def hold(event_id: EventId, mongo: MongoScope) -> None:
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
+        entered.set()
+        await asyncio.sleep(30)
+
+    consumer = inbox_consumer(
+        broker, mongodb, q, hold, inbox=InboxOptions(claim_in_transaction=claim_in_transaction), force_timeout=5.0
+    )
+    managed = await consumer.start()
+    await publish(broker, q, event)
+    await asyncio.wait_for(entered.wait(), 8.0)
+    report = await managed.shutdown(force=True)
+    assert report.forced is True
+    [observation] = managed.delivery_terminal_observations()
+    assert (observation.outcome, observation.code) == ("deferred", "SHUTDOWN")
+    record = await mongodb.db[RECORDS].find_one({"_id": key})
+    assert record is not None
+    # The aborted attempt left no lease (its record, counting nothing, was deleted; or never
+    # committed): a counting record holds the deferral.
+    assert (record.get("state"), record.get("owner"), record["deferrals"]) == (None, None, 1)
+    assert await mongodb.db[EFFECTS].count_documents({}) == 0
+    assert await broker.wait_for_depth(q, 1) == 1
+
+
+# -- the transaction lifetime ---------------------------------------------------------------------
+
+
+async def test_the_transaction_lifetime_is_read_at_start_and_long_deadlines_are_warned_about(
+    broker: Broker, mongodb: MongoDB, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The emulator does not answer getParameter (docs/emulator.md): the inbox assumes MongoDB's
+    # default of 60 s and says so; a queue whose deadline exceeds the limit is warned about at start.
+    slow, quick = broker.queue("slow"), broker.queue("quick")
+    consumer = broker.consumer(
+        (slow, quick), accepting(slow), accepting(quick), mongodb=mongodb, name="lifetime", deadline=90.0
+    )
+    consumer.configure_queue(quick, deadline=8.0)
+    with caplog.at_level(logging.INFO, logger="lily_mongo"):
+        async with running(consumer):
+            pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "lily_mongo"]
+    refused = any("getParameter refused" in line and "assumes 60 s" in line for line in lines)
+    warned = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "delivery deadline" in r.getMessage()
+    ]
+    assert len(warned) == 1, warned
+    assert f"queue {slow}:" in warned[0]
+    assert "(90 s) exceeds" in warned[0]
+    assert "QUEUE_TRANSACTION_EXPIRED" in warned[0]
+    # A MongoDB that answers (LILY_MONGO_URI) is named as the source of the limit instead.
+    assert refused or "the server's transactionLifetimeLimitSeconds" in warned[0], lines
+
+
+async def test_a_configured_transaction_lifetime_is_not_read_from_the_server(
+    broker: Broker, mongodb: MongoDB, caplog: pytest.LogCaptureFixture
+) -> None:
+    q = broker.queue("told")
+    consumer = broker.consumer(
+        q,
+        accepting(q),
+        mongodb=mongodb,
+        name="lifetime",
+        deadline=90.0,
+        inbox=InboxOptions(transaction_lifetime_seconds=120),
+    )
+    with caplog.at_level(logging.INFO, logger="lily_mongo"):
+        async with running(consumer):
+            pass
+    lines = [r.getMessage() for r in caplog.records if r.name == "lily_mongo"]
+    assert not any("getParameter" in line or "delivery deadline" in line for line in lines), lines
+
+
+async def test_an_event_whose_attempts_outlived_the_lifetime_twice_is_dead_lettered_without_running(
+    broker: Broker, mongodb: MongoDB
+) -> None:
+    # The record counts two attempts whose transaction outlived the lifetime (the emulator never
+    # reaps, so the count is written here; the protocol model shows the reaping): the claim
+    # dead-letters the delivery with QUEUE_TRANSACTION_EXPIRED and the handler does not run again.
+    q, handler_id, event, key = one_event(broker, "expired")
+    calls: list[uuid.UUID] = []
+    now = datetime.datetime.now(datetime.UTC)
+    await mongodb.db[RECORDS].insert_one(
+        {"_id": key, "handler": handler_id, "event_id": str(event), "expirations": 2, "purge_at": now + HOUR}
+    )
+    consumer = inbox_consumer(broker, mongodb, q, effect_handler(q, calls, handler_id=handler_id))
+    async with running(consumer) as managed:
+        await publish(broker, q, event)
+        await eventually(lambda: len(outcomes(managed)) == 1, timeout=8.0, what="settlement")
+        assert await broker.wait_for_depth(f"{q}.dlq", 1) == 1
+    assert (only(managed).outcome, only(managed).code) == ("dead_lettered", "QUEUE_TRANSACTION_EXPIRED")
+    assert calls == []
+    [copy] = await broker.drain(f"{q}.dlq")
+    assert copy.headers["x-lily-failure-code"] == "QUEUE_TRANSACTION_EXPIRED"
+    assert await mongodb.db[RECORDS].count_documents({"_id": key}) == 0  # a final verdict releases it
 
 
 # -- the scope is valid for one attempt only ------------------------------------------------------

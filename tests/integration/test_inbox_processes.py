@@ -18,6 +18,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+from pymongo.uri_parser import parse_uri
+
 from lily_mongo import Consumer, EventId, InboxOptions, MongoScope, RetryPolicy, queue
 from tests.support import Broker, MongoDB, eventually, one_event, outcomes, running
 
@@ -311,3 +314,120 @@ async def test_a_competing_copy_during_a_long_handler_never_applies_the_event_tw
     assert record["state"] == "completed"
     assert record["owner"].startswith(f"race-{effects[0]['by']}:")  # the completion is the effect's author
     assert await broker.depth(f"{q}.dlq") == 0
+
+
+# -- the deferral count survives the process ------------------------------------------------------
+
+
+class ClaimCutter:
+    """A TCP proxy in front of the MongoDB server that drops every connection carrying a lease claim.
+
+    A claim is recognised by its pipeline's field ``_lily_free`` (``records.claim_pipeline``);
+    everything else (the deferral counts among it) passes. To the consumer behind it the
+    database is unreachable for claims: each delivery is deferred with ``MONGO_UNAVAILABLE``.
+    """
+
+    MARK = b"_lily_free"
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.cuts = 0
+        self.uri = ""
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def __aenter__(self) -> ClaimCutter:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        self.uri = f"mongodb://{host}:{port}/?directConnection=true"
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        await self._server.wait_closed()
+
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection(*self.upstream)
+        self._writers |= {client_writer, server_writer}
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, cut_claims: bool) -> None:
+            while data := await reader.read(65536):
+                if cut_claims and self.MARK in data:
+                    self.cuts += 1
+                    return
+                writer.write(data)
+                await writer.drain()
+
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            _, pending = await asyncio.wait(
+                [
+                    asyncio.ensure_future(pipe(client_reader, server_writer, cut_claims=True)),
+                    asyncio.ensure_future(pipe(server_reader, client_writer, cut_claims=False)),
+                ],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            for task in pending:
+                task.cancel()
+        for writer in (client_writer, server_writer):
+            writer.transport.abort()
+            self._writers.discard(writer)
+
+
+async def test_the_deferral_count_continues_across_a_killed_consumer(
+    broker: Broker, mongodb: MongoDB, tmp_path: Path
+) -> None:
+    # Every claim fails on the network (MONGO_UNAVAILABLE): no record of a lease counts these
+    # deferrals, a counting record does. Replica A defers the event, is killed; replica B
+    # starts with an empty process memory and carries on from A's count: the event is
+    # dead-lettered at the bound counted across both, not after max_deferrals more.
+    nodes = parse_uri(mongodb.uri)["nodelist"]
+    if len(nodes) != 1:
+        pytest.skip("the claim-cutting proxy fronts a single server")
+    q, handler_id, event, key = one_event(broker, "counted")
+    records = mongodb.db[RECORDS]
+    bound = 4
+    async with ClaimCutter(*nodes[0]) as cutter, workers_in(tmp_path) as workers:
+        common = [
+            *worker_args(broker, MongoDB(cutter.uri, mongodb.client, mongodb.name), q, handler_id, lease_seconds="30"),
+            *("--claim-in-transaction", "off", "--deadline", "8", "--max-deferrals", str(bound)),
+        ]
+
+        async def deferrals() -> int:
+            record = await records.find_one({"_id": key})
+            return int((record or {}).get("deferrals", 0))
+
+        a = await workers.start("replica-a", *common)
+        await workers.wait_for_record("replica-a", "ready")
+        await broker.publish(q, event_id=event)
+
+        async def two_counted() -> bool:
+            return await deferrals() >= 2
+
+        await eventually(two_counted, what="replica A's deferrals to be counted", timeout=30.0, interval=0.05)
+        a.send_signal(signal.SIGKILL)
+        assert await a.wait() == -signal.SIGKILL
+        await asyncio.sleep(0.5)  # whatever A had sent has landed
+        counted_by_a = await deferrals()
+        assert 2 <= counted_by_a < bound
+        b = await workers.start("replica-b", *common)
+        await workers.wait_for_record("replica-b", "ready")
+        assert await broker.wait_for_depth(f"{q}.dlq", 1, timeout=40.0) == 1
+        b.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(b.wait(), 20.0) == 0, workers.stderr("replica-b")
+        final = await workers.wait_for_record("replica-b", "observations")
+        assert cutter.cuts >= bound
+
+    b_ends = [(o["outcome"], o["code"]) for o in final["observations"]]
+    # B's own deferrals plus its dead-lettering complete A's count to the bound.
+    assert b_ends == [("deferred", "MONGO_UNAVAILABLE")] * (bound - counted_by_a - 1) + [
+        ("dead_lettered", "QUEUE_DEFERRALS_EXHAUSTED")
+    ], b_ends
+    assert f"deferred {bound} times (bound {bound})" in final["observations"][-1]["reason"]
+    assert await deferrals() == bound
+    assert not [r for name in ("replica-a", "replica-b") for r in workers.records(name) if "handler" in r]
+    [copy] = await broker.drain(f"{q}.dlq")
+    assert copy.headers["x-lily-failure-code"] == "QUEUE_DEFERRALS_EXHAUSTED"
+    assert await broker.depth(q) == 0

@@ -174,3 +174,75 @@ async def test_the_claim_in_a_transaction_is_its_transition(
     if before is None:
         assert (after["state"], after["owner"], after["token"]) == ("completed", "me:1", 1)
         assert records.reconcile(after, "me:1", 1) is records.Reconciled.COMMITTED
+
+
+@pytest.mark.parametrize("counter", [records.DEFERRALS, records.EXPIRATIONS])
+@pytest.mark.parametrize("case", list(records_before()))
+async def test_counting_is_its_transition(collection: Any, case: str, counter: str) -> None:
+    before = records_before()[case]
+    if before is not None:
+        await collection.insert_one(before)
+    now = utcnow()
+    after = await collection.find_one_and_update(
+        {"_id": "h|e"},
+        records.count_update(counter, "h", "e", stale_seconds=STALE),
+        upsert=True,
+        return_document=ReturnDocument.AFTER,
+    )
+    # The server's clock at the count: a purge time the count set says it; otherwise any time
+    # near now will do (an existing purge time it kept lies more than STALE ahead).
+    pushed = before is None or after["purge_at"] != before["purge_at"]
+    server_now = after["purge_at"] - datetime.timedelta(seconds=STALE) if pushed else now
+    expected = records.count_transition(
+        before, counter, key="h|e", handler_id="h", event_id="e", now=server_now, stale_seconds=STALE
+    )
+    assert after == expected
+    assert records.read_count(after, counter) == records.read_count(before, counter) + 1
+    if before is None:  # a counting record: the next claim takes it as a free lease, the count kept
+        claimed = records.claim_transition(
+            after,
+            key="h|e",
+            handler_id="h",
+            event_id="e",
+            owner="me:1",
+            now=now,
+            lease_seconds=LEASE,
+            stale_seconds=STALE,
+        )
+        assert records.read_claim(claimed, "me:1").kind is records.ClaimKind.LEASED
+        assert records.read_first_claim(after) is records.FirstClaim.CONTENDED
+
+
+@pytest.mark.parametrize("counts", [{}, {"deferrals": 0}, {"deferrals": 2}, {"deferrals": 0, "expirations": 1}])
+async def test_a_cancelled_attempts_release_keeps_what_the_record_counts(
+    collection: Any, counts: dict[str, int]
+) -> None:
+    now = utcnow()
+    mine = base("leased", "me:1", now + datetime.timedelta(seconds=5))
+    mine.pop("deferrals")
+    mine.update(counts)
+    await collection.insert_one(mine)
+    result = await collection.delete_one(records.cancelled_release_filter("h|e", "me:1", 4))
+    assert (result.deleted_count == 1) is records.counts_nothing(mine)
+    if result.deleted_count:
+        return
+    update = await collection.update_one(records.fence("h|e", "me:1", 4), records.released_update())
+    after = await collection.find_one({"_id": "h|e"})
+    assert update.matched_count == 1
+    assert after == records.released_transition(mine, "me:1", 4, now=after["expires_at"])
+    assert (
+        records.read_claim(
+            records.claim_transition(
+                after,
+                key="h|e",
+                handler_id="h",
+                event_id="e",
+                owner="me:2",
+                now=now,
+                lease_seconds=LEASE,
+                stale_seconds=STALE,
+            ),
+            "me:2",
+        ).kind
+        is records.ClaimKind.LEASED
+    )

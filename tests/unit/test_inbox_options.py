@@ -29,6 +29,10 @@ from lily_mongo import ConfigError, InboxOptions
         ({"records": "a$b"}, ("InboxOptions.records", "a$b")),
         ({"passive_indexes": "yes"}, ("InboxOptions.passive_indexes", "yes")),
         ({"claim_in_transaction": "no"}, ("InboxOptions.claim_in_transaction", "no")),
+        ({"max_wait_seconds": 0.01}, ("InboxOptions.max_wait_seconds", "0.01", "0.05..600")),
+        ({"max_wait_seconds": 601}, ("InboxOptions.max_wait_seconds", "601", "0.05..600")),
+        ({"transaction_lifetime_seconds": 0.5}, ("InboxOptions.transaction_lifetime_seconds", "0.5", "1..86400")),
+        ({"transaction_lifetime_seconds": "60"}, ("InboxOptions.transaction_lifetime_seconds", "60")),
     ],
 )
 def test_a_value_out_of_bounds_is_refused_naming_field_value_and_bound(
@@ -53,5 +57,9 @@ def test_the_defaults_and_the_bounds_themselves_are_accepted() -> None:
         commit_retries=100,
         backoff_base=1.0,
         backoff_max=1.0,
+        max_wait_seconds=0.05,
+        transaction_lifetime_seconds=1,
     )
     assert edge.lease_seconds == 0.05
+    assert (options.max_wait_seconds, options.transaction_lifetime_seconds) == (10.0, None)  # read at start
+    assert InboxOptions(max_wait_seconds=600, transaction_lifetime_seconds=86400).max_wait_seconds == 600

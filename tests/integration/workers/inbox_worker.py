@@ -4,6 +4,7 @@ Usage::
 
     python inbox_worker.py --mongo-uri URI --amqp URL --database DB --queue Q
                            --handler-id ID --name NAME [--lease-seconds S] [--slow S]
+                           [--deadline S] [--max-deferrals N]
 
 The handler sleeps ``--slow`` seconds, then writes one ``effects`` document in
 the attempt's transaction (the sleep comes before the transaction's first
@@ -52,7 +53,12 @@ async def run(args: argparse.Namespace) -> None:
         owns_mongo_client=True,
     )
     consumer.configure_queue(
-        args.queue, concurrency=1, prefetch=1, max_deferrals=50, retry=RetryPolicy(max_retries=1, delays=(0.2,))
+        args.queue,
+        concurrency=1,
+        prefetch=1,
+        deadline=args.deadline,
+        max_deferrals=args.max_deferrals,
+        retry=RetryPolicy(max_retries=1, delays=(0.2,)),
     )
     consumer.include(handle)
     managed = await consumer.start()
@@ -62,7 +68,13 @@ async def run(args: argparse.Namespace) -> None:
     emit(
         {
             "observations": [
-                {"outcome": o.outcome, "code": o.code, "attempts": o.attempts, "event_id": str(o.event_id)}
+                {
+                    "outcome": o.outcome,
+                    "code": o.code,
+                    "reason": o.reason,
+                    "attempts": o.attempts,
+                    "event_id": str(o.event_id),
+                }
                 for o in managed.delivery_terminal_observations()
             ],
             "succeeded": report.succeeded,
@@ -82,6 +94,8 @@ def main() -> None:
     parser.add_argument("--name", required=True)
     parser.add_argument("--lease-seconds", type=float, default=1.0)
     parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--deadline", type=float, default=60.0)
+    parser.add_argument("--max-deferrals", type=int, default=50)
     asyncio.run(run(parser.parse_args()))
 
 
