@@ -136,6 +136,16 @@ MAX_SERVER_ABORTS = 1  # per run (a stepdown): enough to interrupt, few enough t
 MAX_FAILOVERS = 1
 
 
+class NoOutbox:
+    """The outbox the model's inbox is given: its handlers write no record, so nothing is dispatched."""
+
+    def writer(self, session: object, handler_id: str, is_open: Callable[[], bool]) -> Any:
+        return types.SimpleNamespace(written=0, records=[], claim=None)
+
+    def committed(self, writer: object) -> None:
+        raise AssertionError("no model handler writes an outbox record")
+
+
 class InvariantViolation(AssertionError):
     """A model invariant failed; ``invariant`` names it."""
 
@@ -637,8 +647,11 @@ class InboxModel(RuleBasedStateMachine):
         cfg = self.config()
         client = SimClient(self.server, w=cfg.client_w)
         extra: dict[str, Any] = {"deadlines": {QUEUE: cfg.deadline}}
-        if "deadlines" not in inspect.signature(self.INBOX.Inbox).parameters:  # an older inbox.py
+        parameters = inspect.signature(self.INBOX.Inbox).parameters
+        if "deadlines" not in parameters:  # an older inbox.py
             extra = {}
+        if "outbox" in parameters:  # the model's handlers write no outbox record
+            extra["outbox"] = NoOutbox()
         inbox = self.INBOX.Inbox(client, DATABASE, self.options(), owner_prefix=f"c{index}.{incarnation}", **extra)
         process = Process(index, incarnation, client, inbox, TaskSet(), LruCounter(4096))
         heartbeat = process.heartbeat = Heartbeat(process)
