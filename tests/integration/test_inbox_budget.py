@@ -281,7 +281,6 @@ async def test_every_record_write_outside_a_transaction_is_majority_and_bounded(
         await mongo.database[EFFECTS].insert_one({"kind": kind}, session=mongo.session)
 
     options = InboxOptions(
-        run_relay=False,
         claim_in_transaction=False,
         lease_seconds=2.0,
         heartbeat_seconds=0.1,
@@ -289,7 +288,14 @@ async def test_every_record_write_outside_a_transaction_is_majority_and_bounded(
         backoff_base=0.6,
         backoff_max=1.2,
     )
-    consumer = Consumer(amqp_url=amqp, mongo_client=client, database=database_name, name="majority", inbox=options)
+    consumer = Consumer(
+        amqp_url=amqp,
+        mongo_client=client,
+        database=database_name,
+        name="majority",
+        inbox=options,
+        outbox=OutboxOptions(run_relay=False),
+    )
     consumer.configure_queue(q, concurrency=1, prefetch=1, max_deferrals=2, retry=RetryPolicy(max_retries=0, delays=()))
     consumer.include(mixed)
     async with running(consumer) as managed, Publisher(amqp) as publisher, Faults(mongo_client) as faults:
