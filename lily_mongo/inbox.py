@@ -648,8 +648,9 @@ class Inbox:
         """The replay loop: each pass is a fresh scope; transient failures replay the whole pipeline.
 
         True once ``execution.result`` is the verdict. False only for a first-time copy
-        (``lease.first``) whose record turned out contended, or whose attempt must be
-        replayed: the replay (backed off, counted) takes the lease claim first.
+        (``lease.first``) whose record turned out contended: the lease claim decides. A
+        first-time copy's replay claims in its transaction again (its failed attempt wrote
+        nothing), so a replay costs 2 + k commands on either path.
         """
         options = self._options
         while True:
@@ -704,8 +705,6 @@ class Inbox:
                         jitter=random.random(),
                     )
                 )
-                if lease.first:
-                    return False
 
     async def _may_try_again(self, lease: _Lease) -> bool:
         """An attempt's transaction outlived the lifetime: count it in the record (it holds across

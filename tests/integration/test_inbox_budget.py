@@ -252,6 +252,54 @@ async def test_redelivered_copies_take_the_lease_claim(
     assert all(c.max_time_ms is not None and c.max_time_ms > 0 for c in claims)
 
 
+async def test_a_first_time_copys_replay_claims_in_its_transaction_again(
+    amqp: str, counted: tuple[AsyncMongoClient[Any], Commands], database_name: str, names: BrokerNames
+) -> None:
+    """A transient error after the claim in the transaction replays 2 + k again, no lease claim.
+
+    The failed attempt wrote nothing (its transaction is aborted), so the replay claims the
+    record inside its own transaction like the first attempt: no write on the records goes
+    out of a transaction at all.
+    """
+    client, listener = counted
+    q = names.queue("replay")
+    runs: list[int] = []
+
+    @queue(q, version=1, content="json", handler_id=f"{q}/flaky")
+    async def flaky(payload: Json[dict[str, Any]], event_id: EventId, mongo: MongoScope) -> None:
+        runs.append(1)
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
+        if len(runs) == 1:
+            raise OperationFailure("write conflict", code=112, details={"errorLabels": ["TransientTransactionError"]})
+
+    consumer = Consumer(
+        amqp_url=amqp,
+        mongo_client=client,
+        database=database_name,
+        name="replay",
+        inbox=InboxOptions(lease_seconds=300, backoff_base=0.01, backoff_max=0.02),
+        outbox=OutboxOptions(run_relay=False),
+    )
+    consumer.configure_queue(q, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=0, delays=()))
+    consumer.include(flaky)
+    async with running(consumer) as managed, Publisher(amqp) as publisher:
+        listener.take()  # start-up
+        await publisher.publish_json(q, {}, version=1)
+        await eventually(lambda: len(outcomes(managed)) == 1, what="the delivery")
+        sent = listener.take_sent()
+    assert outcomes(managed) == ["acked"]
+    assert len(runs) == 2
+    assert [s.pair for s in sent] == [
+        ("findAndModify", RECORDS),
+        ("insert", EFFECTS),
+        ("abortTransaction", ""),
+        *in_transaction_path(1),
+    ], sent
+    assert outside_writes_are_majority(sent, RECORDS) == []
+    assert managed.snapshot().queues[0].transient_replays == 1
+    assert await client[database_name][EFFECTS].count_documents({}) == 1
+
+
 async def test_every_record_write_outside_a_transaction_is_majority_and_bounded(
     amqp: str,
     counted: tuple[AsyncMongoClient[Any], Commands],

@@ -1512,6 +1512,8 @@ SCENARIOS = [
         one_event(1, claim_in_transaction=True, lifetime=4.0, deadline=30.0, replay_budget=3),
         # The handler runs past the transaction lifetime twice (the reaper aborts its transaction
         # each time): one more try after the first, then QUEUE_TRANSACTION_EXPIRED, not replays.
+        # The expiry's count creates the record, so the second try's claim in its transaction
+        # finds it and the lease claim takes over.
         [
             Deliver(0),
             Drive("h1", 1),
@@ -1519,7 +1521,7 @@ SCENARIOS = [
             Wait(1),
             Drive("h1", 3),
             Wait(0.5),
-            Drive("h1", 2),
+            Drive("h1", 3),
             Wait(4),
             Wait(1),
             Drive("h1", 4),
