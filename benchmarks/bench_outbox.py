@@ -483,6 +483,17 @@ async def publish_steadily(url: str, name: str, messages: list[tuple[str, dict[s
             await publisher.publish_json(name, payload, version=1, event_id=event_id)
 
 
+def server_cpu(pid: int | None) -> float | None:
+    """The embedded server process's user + system CPU seconds so far (Linux /proc), or None."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def run_child(
     args: argparse.Namespace,
     connection: aio_pika.abc.AbstractConnection,
@@ -521,6 +532,7 @@ async def run_child(
         if rate is None:
             await publish(args.amqp_url, options.name, batch)
         await (await channel.declare_queue(down, passive=True)).consume(arrivals.on_message, no_ack=True)
+        server_before = server_cpu(args.server_pid)
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             str(SCRIPT),
@@ -545,6 +557,7 @@ async def run_child(
             process.stdin.write(b"done\n")
             await process.stdin.drain()
             figures = (await read_line(process, deadline))["result"]
+            server_after = server_cpu(args.server_pid)
             status = await asyncio.wait_for(process.wait(), timeout=max(deadline - time.monotonic(), 1))
         except BaseException:
             if process.returncode is None:
@@ -565,6 +578,9 @@ async def run_child(
         "seconds": seconds,
         "rate": messages / seconds,
         "cpu_us": figures["cpu"] / messages * 1e6,
+        "server_cpu_us": None
+        if server_before is None or server_after is None
+        else (server_after - server_before) / messages * 1e6,
         "replays": figures["replays"],
         "deferrals": figures["deferrals"],
         "outbox_commands": figures["outbox_commands"],
@@ -639,6 +655,11 @@ async def run_drain(args: argparse.Namespace, connection: aio_pika.abc.AbstractC
 
 
 # -- the summary ------------------------------------------------------------------------------------------
+
+
+def _server_column(run: Mapping[str, Any]) -> str:
+    server = run.get("server_cpu_us")
+    return "" if server is None else f", server CPU {server:6.0f} us/msg"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -737,10 +758,12 @@ async def parent(args: argparse.Namespace) -> int:
     server = None
     args.amqp_url = os.environ.get("LILY_AMQP_URL", DEFAULT_AMQP_URL)
     args.mongo_uri = os.environ.get("LILY_MONGO_URI")
+    args.server_pid = None
     backend = "MongoDB from LILY_MONGO_URI"
     if not args.mongo_uri:
         server = EmbeddedServer()
         args.mongo_uri = await server.start()
+        args.server_pid = server.process.pid if server.process is not None else None
         backend = "the embedded MongoDB-wire emulator (mongoeco)"
     report: dict[str, Any] = {}
     try:
@@ -772,7 +795,8 @@ async def parent(args: argparse.Namespace) -> int:
                             print(
                                 f"round {round_} c={concurrency} {kind:<5}: {run['rate']:6.1f} msgs/s, CPU "
                                 f"{run['cpu_us']:6.0f} us/msg, replays/msg {run['replays'] / args.messages:.3f}, "
-                                f"outbox commands/msg {sum(run['outbox_commands'].values()) / args.messages:.3f}",
+                                f"outbox commands/msg {sum(run['outbox_commands'].values()) / args.messages:.3f}"
+                                + _server_column(run),
                                 file=out,
                             )
                 report["pipeline"] = summarise_pipeline(args, runs)
