@@ -32,7 +32,9 @@ local RabbitMQ as guest.)
     to the last message's arrival at the destination queue (consumed by the parent,
     which notes arrival times), or, for ``plain``, to the last ACK. CPU is the child's
     (user + system) over the same window. The ratios are medians of per-round ratios.
-    Commands the outbox collection received per record are counted in the child.
+    Commands the outbox collection received per record are counted in the child. With
+    the embedded emulator, its process's CPU per message over the child's run is
+    printed too: it serves one command at a time, so that figure bounds throughput.
 (c) **lag**: messages are published at a steady ``--lag-rate`` (below saturation) to
     a ``lily`` (and a ``hand``) child at concurrency 4; the lag of each event is its
     arrival at the destination minus its transaction's commit (the child's
@@ -659,7 +661,7 @@ async def run_drain(args: argparse.Namespace, connection: aio_pika.abc.AbstractC
 
 def _server_column(run: Mapping[str, Any]) -> str:
     server = run.get("server_cpu_us")
-    return "" if server is None else f", server CPU {server:6.0f} us/msg"
+    return "" if server is None else f", embedded server CPU {server:6.0f} us/msg"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -676,6 +678,11 @@ def describe(commands: Mapping[str, float], divisor: int) -> str:
     return f"{sum(commands.values()) / divisor:.3f} = {parts}"
 
 
+def _median_or_none(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def summarise_pipeline(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for concurrency in args.concurrency:
@@ -690,6 +697,7 @@ def summarise_pipeline(args: argparse.Namespace, runs: list[dict[str, Any]]) -> 
             entry[kind] = {
                 "msgs_per_s": statistics.median(r["rate"] for r in theirs),
                 "cpu_us_per_msg": statistics.median(r["cpu_us"] for r in theirs),
+                "server_cpu_us_per_msg": _median_or_none([r.get("server_cpu_us") for r in theirs]),
                 "replays_per_msg": sum(r["replays"] for r in theirs) / messages,
                 "copies_per_msg": sum(r["copies"] for r in theirs) / messages if kind != "plain" else 0.0,
                 "outbox_commands": dict(commands),
@@ -734,6 +742,7 @@ def print_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     f"    c={concurrency:<2} {LABELS[kind]:<42} {e['msgs_per_s']:7.1f} msgs/s  "
                     f"CPU {e['cpu_us_per_msg']:6.0f} us/msg  replays/msg {e['replays_per_msg']:.3f}"
                     + (f"  copies/msg {e['copies_per_msg']:.3f}" if kind != "plain" else "")
+                    + _server_column({"server_cpu_us": e["server_cpu_us_per_msg"]})
                 )
                 if kind != "plain":
                     print(f"         outbox commands per record: {describe(e['outbox_commands'], e['messages'])}")
