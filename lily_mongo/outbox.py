@@ -51,7 +51,7 @@ from ._amqp import basic_publish, channel_errors, connect_amqp
 from ._backoff import backoff
 from ._checks import check_amqp_url, check_bool, check_database_name, check_int, check_seconds
 from ._lru import Lru
-from ._mongo import discard_server_session, ensure_index, error_labels, mongo_error
+from ._mongo import TransactionScope, discard_server_session, ensure_index, error_labels, mongo_error
 from ._observer import NO_OBSERVER, Observer
 from ._outbox_protocol import Claim, Failure
 from ._tasks import TaskSet
@@ -948,7 +948,7 @@ class OutboxRuntime:
 # -- the standalone outbox ----------------------------------------------------------------------------
 
 
-class OutboxTransaction(TypedPublishing):
+class OutboxTransaction(TransactionScope, TypedPublishing):
     """What :meth:`Outbox.transaction`'s function receives: the session, the database and the outbox.
 
     Valid while the function runs; pass ``session=tx.session`` to every operation that
@@ -956,36 +956,16 @@ class OutboxTransaction(TypedPublishing):
     return the event id exactly like a handler's ``mongo.outbox``.
     """
 
-    __slots__ = ("_database", "_open", "_session", "_writer")
+    __slots__ = ("_writer",)
+
+    _closed_message = "this transaction has ended; its session and outbox cannot be used any more"
 
     def __init__(self, session: AsyncClientSession, database: AsyncDatabase[Any], writer: OutboxWriter) -> None:
-        self._session = session
-        self._database = database
+        super().__init__(session, database)
         self._writer = writer
-        self._open = True
 
     def __repr__(self) -> str:
         return f"<OutboxTransaction open={self._open} written={self._writer.written}>"
-
-    def _check(self) -> None:
-        if not self._open:
-            raise ScopeClosedError("this transaction has ended; its session and outbox cannot be used any more")
-
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
-    @property
-    def session(self) -> AsyncClientSession:
-        """The transaction's session."""
-        self._check()
-        return self._session
-
-    @property
-    def database(self) -> AsyncDatabase[Any]:
-        """The outbox's database."""
-        self._check()
-        return self._database
 
     async def publish(
         self,
@@ -999,9 +979,6 @@ class OutboxTransaction(TypedPublishing):
         """Stage a message with a custom content contract; it is published after the commit. Returns its event id."""
         self._check()
         return await self._writer.publish(content, routing_key, payload, version=version, **options)
-
-    def close(self) -> None:
-        self._open = False
 
 
 class _State(enum.Enum):
