@@ -157,6 +157,18 @@ class OutboxOptions:
             object.__setattr__(self, field_name, value)
 
 
+def standalone_options(options: OutboxOptions | None, name: str) -> OutboxOptions:
+    """The options of a standalone :class:`Outbox` or :class:`~lily_mongo.Relay` (the defaults when None),
+    checked, then its ``name``."""
+    if options is None:
+        options = OutboxOptions()
+    if not isinstance(options, OutboxOptions):
+        raise ConfigError(f"options must be an OutboxOptions, got {describe_value(options)}")
+    if not isinstance(name, str) or not 0 < utf8_len(name) <= 200:
+        raise ConfigError(f"name must be a string of 1..200 bytes, got {describe_value(name)}")
+    return options
+
+
 # Outbox.transaction's waits between re-runs and commit retries (the inbox's defaults, docs/outbox.md).
 TRANSACTION_BACKOFF_BASE = 0.02
 TRANSACTION_BACKOFF_MAX = 1.0
@@ -1020,12 +1032,7 @@ class Outbox:
         check_database_name("database", database)
         if amqp_url is not None:
             check_amqp_url("amqp_url", amqp_url)
-        if options is None:
-            options = OutboxOptions()
-        if not isinstance(options, OutboxOptions):
-            raise ConfigError(f"options must be an OutboxOptions, got {describe_value(options)}")
-        if not isinstance(name, str) or not 0 < utf8_len(name) <= 200:
-            raise ConfigError(f"name must be a string of 1..200 bytes, got {describe_value(name)}")
+        options = standalone_options(options, name)
         self._client = mongo_client
         self._database = mongo_client[database]
         self._url = amqp_url
