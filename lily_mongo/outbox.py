@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Unpack, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from pymongo import AsyncMongoClient, UpdateOne
 from pymongo.errors import PyMongoError
@@ -230,16 +230,9 @@ class OutboxWriter(TypedPublishing):
         """How many records this transaction wrote."""
         return len(self.records)
 
-    async def publish(
-        self,
-        content: CustomPublishContent[T],
-        routing_key: str,
-        payload: T,
-        *,
-        version: int,
-        **options: Unpack[PublishOptions],
+    async def _publish[T](
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, version: int, options: PublishOptions
     ) -> uuid.UUID:
-        """Stage a message with a custom content contract; it is published after the commit. Returns its event id."""
         if not self._is_open():
             raise ScopeClosedError("the outbox of a finished transaction cannot be used")
         self._observer.outbox_record(cast("dict[str, Any]", options))  # it may add the trace context
@@ -979,16 +972,9 @@ class OutboxTransaction(TransactionScope, TypedPublishing):
     def __repr__(self) -> str:
         return f"<OutboxTransaction open={self._open} written={self._writer.written}>"
 
-    async def publish(
-        self,
-        content: CustomPublishContent[T],
-        routing_key: str,
-        payload: T,
-        *,
-        version: int,
-        **options: Unpack[PublishOptions],
+    async def _publish[T](
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, version: int, options: PublishOptions
     ) -> uuid.UUID:
-        """Stage a message with a custom content contract; it is published after the commit. Returns its event id."""
         self._check()
         return await self._writer.publish(content, routing_key, payload, version=version, **options)
 

@@ -152,9 +152,10 @@ def prepare_publication[T](
 
 
 class TypedPublishing:
-    """``publish_json`` / ``publish_text`` / ``publish_binary`` on top of a ``publish`` method.
+    """``publish`` and ``publish_json`` / ``publish_text`` / ``publish_binary`` on top of a ``_publish`` method.
 
-    Shared by :class:`Publisher` (publishes now) and the outbox (stages for the relay).
+    Shared by :class:`Publisher` (publishes now) and the outbox (stages for the relay): the
+    signatures are written here once, and each subclass says in ``_publish`` what a publish does.
     """
 
     __slots__ = ()
@@ -168,25 +169,33 @@ class TypedPublishing:
         version: int,
         **options: Unpack[PublishOptions],
     ) -> uuid.UUID:
-        raise NotImplementedError
+        """Publish ``payload`` with a custom content contract (an outbox stages it: it is published after the
+        commit); return its event id."""
+        return await self._publish(content, routing_key, payload, version, options)
 
     async def publish_json(
         self, routing_key: str, payload: Any, *, version: int, **options: Unpack[PublishOptions]
     ) -> uuid.UUID:
         """A JSON payload (content kind ``json``, ``application/json``); pydantic models are dumped."""
-        return await self.publish(JSON, routing_key, payload, version=version, **options)
+        return await self._publish(JSON, routing_key, payload, version, options)
 
     async def publish_text(
         self, routing_key: str, payload: str, *, version: int, **options: Unpack[PublishOptions]
     ) -> uuid.UUID:
         """UTF-8 text (content kind ``text``, ``text/plain; charset=utf-8``)."""
-        return await self.publish(TEXT, routing_key, payload, version=version, **options)
+        return await self._publish(TEXT, routing_key, payload, version, options)
 
     async def publish_binary(
         self, routing_key: str, payload: bytes, *, version: int, **options: Unpack[PublishOptions]
     ) -> uuid.UUID:
         """Raw bytes (content kind ``binary``, ``application/octet-stream``)."""
-        return await self.publish(BINARY, routing_key, payload, version=version, **options)
+        return await self._publish(BINARY, routing_key, payload, version, options)
+
+    async def _publish[T](
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, version: int, options: PublishOptions
+    ) -> uuid.UUID:
+        """What one publish does: publish now, or stage in the transaction; returns the event id."""
+        raise NotImplementedError
 
 
 class _State(enum.Enum):
@@ -281,14 +290,7 @@ class Publisher(TypedPublishing):
         )
         return publication.event_id
 
-    async def publish[T](
-        self,
-        content: CustomPublishContent[T],
-        routing_key: str,
-        payload: T,
-        *,
-        version: int,
-        **options: Unpack[PublishOptions],
+    async def _publish[T](
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, version: int, options: PublishOptions
     ) -> uuid.UUID:
-        """Publish ``payload`` with a custom content contract; return the event id."""
         return await self.send(prepare_publication(content, routing_key, payload, version=version, **options))
