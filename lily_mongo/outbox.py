@@ -58,7 +58,7 @@ from ._tasks import TaskSet
 from ._text import describe_value
 from .bounds import BOUNDS, utf8_len
 from .errors import CommitOutcomeUnknown, ConfigError, LilyError, PublishError, ScopeClosedError, TransportError
-from .publisher import CustomPublishContent, PublishOptions, TypedPublishing, prepare_publication
+from .publisher import CustomPublishContent, OpenClose, PublishOptions, TypedPublishing, prepare_publication
 from .telemetry import Telemetry, resolve_telemetry
 
 if TYPE_CHECKING:
@@ -990,7 +990,7 @@ class _Step(enum.Enum):
     REPLAY = "replay"  # not committed: run fn again in a fresh transaction
 
 
-class Outbox:
+class Outbox(OpenClose):
     """The transactional outbox for code outside handlers (a web endpoint, a script).
 
     ``await outbox.transaction(fn)`` runs ``fn(tx)`` in a fresh session and transaction
@@ -1044,13 +1044,6 @@ class Outbox:
     def runtime(self) -> OutboxRuntime:
         """The process's outbox parts (dispatcher, relay, counters)."""
         return self._runtime
-
-    async def __aenter__(self) -> Outbox:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     async def open(self) -> None:
         """With ``amqp_url``: connect, read the server's clock, create the indexes, start dispatching (and

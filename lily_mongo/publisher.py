@@ -13,7 +13,7 @@ import functools
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypedDict, TypeVar, Unpack
+from typing import Any, Self, TypedDict, TypeVar, Unpack
 
 import aio_pika
 import aio_pika.abc
@@ -43,6 +43,7 @@ __all__ = [
     "JSON",
     "TEXT",
     "CustomPublishContent",
+    "OpenClose",
     "Publication",
     "PublishOptions",
     "Publisher",
@@ -198,13 +199,33 @@ class TypedPublishing:
         raise NotImplementedError
 
 
+class OpenClose:
+    """``async with`` on top of ``open()`` and ``close()``: opened on the way in, closed on the way out.
+
+    Shared by :class:`Publisher` and the standalone outbox.
+    """
+
+    async def open(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
 class _State(enum.Enum):
     NEW = "new"
     OPEN = "open"
     CLOSED = "closed"
 
 
-class Publisher(TypedPublishing):
+class Publisher(OpenClose, TypedPublishing):
     """Publishes typed messages with confirms; an async context manager.
 
     Either give ``amqp_url`` (the publisher owns its connection) or an open
@@ -237,13 +258,6 @@ class Publisher(TypedPublishing):
 
     def __repr__(self) -> str:
         return f"<Publisher state={self._state.value}>"
-
-    async def __aenter__(self) -> Publisher:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     async def open(self) -> None:
         """Connect (when built from a URL) and open a confirming channel."""
