@@ -309,15 +309,20 @@ class _FixedTransport:
 
 
 async def publish_batch(
-    records: Sequence[dict[str, Any]], send: Send, observer: Observer, *, via: str
+    records: Sequence[dict[str, Any]], transport: _Transport, observer: Observer, *, via: str
 ) -> list[BaseException | None]:
-    """Publish ``records`` pipelined: every publish in flight at once, the confirms awaited together.
+    """Publish ``records`` pipelined on ``transport``: every publish in flight at once, the confirms awaited
+    together.
 
     The tasks start in order and each reaches the channel's publish lock without
     suspending first, so the frames go out in ``records`` order (aiormq's lock is FIFO):
     a destination queue receives them in that order. Returns, per record, None once
-    confirmed or the exception that refused it.
+    confirmed or the exception that refused it (every record's, when the transport had no sender).
     """
+    try:
+        send = await transport.sender()
+    except Exception as exc:
+        return [exc] * len(records)
 
     async def one(record: dict[str, Any]) -> None:
         publish = functools.partial(
@@ -592,12 +597,7 @@ class OutboxDispatcher:
         live = [r for r in batch if not protocol.is_free(r, now)]
         if not live:
             return
-        try:
-            send = await transport.sender()
-        except Exception as exc:
-            results: list[BaseException | None] = [exc] * len(live)
-        else:
-            results = await publish_batch(live, send, self._observer, via="dispatch")
+        results = await publish_batch(live, transport, self._observer, via="dispatch")
         counters = self._counters
         for record, result in zip(live, results, strict=True):
             if result is None:
@@ -820,12 +820,7 @@ class OutboxRelay:
         return protocol.publish_order(records)
 
     async def _relay(self, batch: list[dict[str, Any]], transport: _Transport) -> None:
-        try:
-            send = await transport.sender()
-        except Exception as exc:
-            results: list[BaseException | None] = [exc] * len(batch)
-        else:
-            results = await publish_batch(batch, send, self._observer, via="relay")
+        results = await publish_batch(batch, transport, self._observer, via="relay")
         counters = self.counters
         marks: list[str] = []
         failures: list[tuple[Any, Failure]] = []
