@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Self, overload
 
 import aiormq.abc
@@ -133,18 +133,15 @@ class InboundMessage:
 
     async def nack(self, *, requeue: bool = True) -> None:
         self._claim("nack")
-        if self._acks is not None:
-            await self._acks.alone(
-                self.delivery_tag, lambda: self.channel.basic_nack(self.delivery_tag, requeue=requeue)
-            )
-        else:
-            await self.channel.basic_nack(self.delivery_tag, requeue=requeue)
+        await self._alone(lambda: self.channel.basic_nack(self.delivery_tag, requeue=requeue))
 
     async def reject(self, *, requeue: bool = False) -> None:
         self._claim("reject")
+        await self._alone(lambda: self.channel.basic_reject(self.delivery_tag, requeue=requeue))
+
+    def _alone(self, write: Callable[[], Awaitable[None]]) -> Awaitable[None]:
+        """A NACK or reject (``write`` writes it) in a frame of its own: through the coalescer, after its
+        pending ACKs, when there is one."""
         if self._acks is not None:
-            await self._acks.alone(
-                self.delivery_tag, lambda: self.channel.basic_reject(self.delivery_tag, requeue=requeue)
-            )
-        else:
-            await self.channel.basic_reject(self.delivery_tag, requeue=requeue)
+            return self._acks.alone(self.delivery_tag, write)
+        return write()
