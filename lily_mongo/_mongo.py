@@ -1,5 +1,6 @@
-"""PyMongo details shared by the inbox and the outbox: labels, sessions, indexes; PyMongo errors mapped
-to lily errors (one table); opening a client, and the start-up check of a consumer's client."""
+"""PyMongo details shared by the inbox and the outbox: labels, sessions, indexes, the scope of a transaction's
+code; PyMongo errors mapped to lily errors (one table); opening a client, and the start-up check of a consumer's
+client."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import enum
 import socket
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pymongo
 from bson.errors import BSONError
@@ -24,17 +25,19 @@ from pymongo.errors import (
 )
 
 from ._redact import redact_url, scrub
-from .errors import ConfigError, LilyError, TransportError
+from .errors import ConfigError, LilyError, ScopeClosedError, TransportError
 from .records import TRANSACTION_LABELS
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.client_session import AsyncClientSession
     from pymongo.asynchronous.collection import AsyncCollection
+    from pymongo.asynchronous.database import AsyncDatabase
 
 __all__ = [
     "DEFAULT_TRANSACTION_LIFETIME",
     "MONGO_ERRORS",
     "MongoFailure",
+    "TransactionScope",
     "check_mongo",
     "describe_client",
     "discard_server_session",
@@ -108,6 +111,47 @@ def discard_server_session(session: AsyncClientSession) -> None:
     mark_dirty = getattr(server_session, "mark_dirty", None)
     if callable(mark_dirty):
         mark_dirty()
+
+
+class TransactionScope:
+    """What the code of one transaction holds: its session and the database, until the transaction ends.
+
+    The base of a handler's :class:`~lily_mongo.MongoScope` and of
+    :class:`~lily_mongo.OutboxTransaction`; once :meth:`close` ran, every use raises
+    :class:`ScopeClosedError` with the subclass's ``_closed_message``.
+    """
+
+    __slots__ = ("_database", "_open", "_session")
+
+    _closed_message: ClassVar[str] = "this transaction has ended; it cannot be used any more"
+
+    def __init__(self, session: AsyncClientSession, database: AsyncDatabase[Any]) -> None:
+        self._session = session
+        self._database = database
+        self._open = True
+
+    def _check(self) -> None:
+        if not self._open:
+            raise ScopeClosedError(self._closed_message)
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    @property
+    def session(self) -> AsyncClientSession:
+        """The transaction's session, for every operation that belongs to the transaction (``session=``)."""
+        self._check()
+        return self._session
+
+    @property
+    def database(self) -> AsyncDatabase[Any]:
+        """The database (the consumer's, or the outbox's)."""
+        self._check()
+        return self._database
+
+    def close(self) -> None:
+        self._open = False
 
 
 async def ensure_index(

@@ -72,6 +72,7 @@ from ._backoff import backoff
 from ._checks import check_bool, check_int, check_seconds
 from ._mongo import (
     DEFAULT_TRANSACTION_LIFETIME,
+    TransactionScope,
     discard_server_session,
     ensure_index,
     error_labels,
@@ -82,7 +83,7 @@ from ._mongo import (
 from ._observer import NO_OBSERVER, Observer
 from ._tasks import TaskSet, raise_if_cancel_requested
 from .bounds import DELIVERY_COUNT_HEADER
-from .errors import ConfigError, ErrorCode, ScopeClosedError
+from .errors import ConfigError, ErrorCode
 from .extractors import NOT_DECODED
 from .outbox import OutboxRuntime, OutboxWriter
 from .records import ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
@@ -158,7 +159,7 @@ class InboxOptions:
             )
 
 
-class MongoScope:
+class MongoScope(TransactionScope):
     """The handler's view of one attempt: its session, the database and the outbox.
 
     Valid for one attempt only; any use after the attempt ended raises
@@ -166,36 +167,16 @@ class MongoScope:
     that belongs to the transaction.
     """
 
-    __slots__ = ("_database", "_open", "_outbox", "_session")
+    __slots__ = ("_outbox",)
+
+    _closed_message = "this MongoScope belongs to a finished attempt; it cannot be used any more"
 
     def __init__(self, session: AsyncClientSession, database: AsyncDatabase[Any], outbox: OutboxWriter | None) -> None:
-        self._session = session
-        self._database = database
+        super().__init__(session, database)
         self._outbox = outbox
-        self._open = True
 
     def __repr__(self) -> str:
         return f"<MongoScope open={self._open}>"
-
-    def _check(self) -> None:
-        if not self._open:
-            raise ScopeClosedError("this MongoScope belongs to a finished attempt; it cannot be used any more")
-
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
-    @property
-    def session(self) -> AsyncClientSession:
-        """The attempt's session, in a transaction."""
-        self._check()
-        return self._session
-
-    @property
-    def database(self) -> AsyncDatabase[Any]:
-        """The consumer's database."""
-        self._check()
-        return self._database
 
     @property
     def outbox(self) -> OutboxWriter:
@@ -203,9 +184,6 @@ class MongoScope:
         self._check()
         assert self._outbox is not None
         return self._outbox
-
-    def close(self) -> None:
-        self._open = False
 
 
 class _Replay(Exception):

@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Unpack, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from pymongo import AsyncMongoClient, UpdateOne
 from pymongo.errors import PyMongoError
@@ -51,14 +51,14 @@ from ._amqp import basic_publish, channel_errors, connect_amqp
 from ._backoff import backoff
 from ._checks import check_amqp_url, check_bool, check_database_name, check_int, check_seconds
 from ._lru import Lru
-from ._mongo import discard_server_session, ensure_index, error_labels, mongo_error
+from ._mongo import TransactionScope, discard_server_session, ensure_index, error_labels, mongo_error
 from ._observer import NO_OBSERVER, Observer
 from ._outbox_protocol import Claim, Failure
 from ._tasks import TaskSet
 from ._text import describe_value
 from .bounds import BOUNDS, utf8_len
 from .errors import CommitOutcomeUnknown, ConfigError, LilyError, PublishError, ScopeClosedError, TransportError
-from .publisher import CustomPublishContent, PublishOptions, TypedPublishing, prepare_publication
+from .publisher import CustomPublishContent, OpenClose, PublishOptions, TypedPublishing, prepare_publication
 from .telemetry import Telemetry, resolve_telemetry
 
 if TYPE_CHECKING:
@@ -157,6 +157,18 @@ class OutboxOptions:
             object.__setattr__(self, field_name, value)
 
 
+def standalone_options(options: OutboxOptions | None, name: str) -> OutboxOptions:
+    """The options of a standalone :class:`Outbox` or :class:`~lily_mongo.Relay` (the defaults when None),
+    checked, then its ``name``."""
+    if options is None:
+        options = OutboxOptions()
+    if not isinstance(options, OutboxOptions):
+        raise ConfigError(f"options must be an OutboxOptions, got {describe_value(options)}")
+    if not isinstance(name, str) or not 0 < utf8_len(name) <= 200:
+        raise ConfigError(f"name must be a string of 1..200 bytes, got {describe_value(name)}")
+    return options
+
+
 # Outbox.transaction's waits between re-runs and commit retries (the inbox's defaults, docs/outbox.md).
 TRANSACTION_BACKOFF_BASE = 0.02
 TRANSACTION_BACKOFF_MAX = 1.0
@@ -218,16 +230,9 @@ class OutboxWriter(TypedPublishing):
         """How many records this transaction wrote."""
         return len(self.records)
 
-    async def publish(
-        self,
-        content: CustomPublishContent[T],
-        routing_key: str,
-        payload: T,
-        *,
-        version: int,
-        **options: Unpack[PublishOptions],
+    async def _publish[T](
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, version: int, options: PublishOptions
     ) -> uuid.UUID:
-        """Stage a message with a custom content contract; it is published after the commit. Returns its event id."""
         if not self._is_open():
             raise ScopeClosedError("the outbox of a finished transaction cannot be used")
         self._observer.outbox_record(cast("dict[str, Any]", options))  # it may add the trace context
@@ -304,15 +309,20 @@ class _FixedTransport:
 
 
 async def publish_batch(
-    records: Sequence[dict[str, Any]], send: Send, observer: Observer, *, via: str
+    records: Sequence[dict[str, Any]], transport: _Transport, observer: Observer, *, via: str
 ) -> list[BaseException | None]:
-    """Publish ``records`` pipelined: every publish in flight at once, the confirms awaited together.
+    """Publish ``records`` pipelined on ``transport``: every publish in flight at once, the confirms awaited
+    together.
 
     The tasks start in order and each reaches the channel's publish lock without
     suspending first, so the frames go out in ``records`` order (aiormq's lock is FIFO):
     a destination queue receives them in that order. Returns, per record, None once
-    confirmed or the exception that refused it.
+    confirmed or the exception that refused it (every record's, when the transport had no sender).
     """
+    try:
+        send = await transport.sender()
+    except Exception as exc:
+        return [exc] * len(records)
 
     async def one(record: dict[str, Any]) -> None:
         publish = functools.partial(
@@ -587,12 +597,7 @@ class OutboxDispatcher:
         live = [r for r in batch if not protocol.is_free(r, now)]
         if not live:
             return
-        try:
-            send = await transport.sender()
-        except Exception as exc:
-            results: list[BaseException | None] = [exc] * len(live)
-        else:
-            results = await publish_batch(live, send, self._observer, via="dispatch")
+        results = await publish_batch(live, transport, self._observer, via="dispatch")
         counters = self._counters
         for record, result in zip(live, results, strict=True):
             if result is None:
@@ -815,12 +820,7 @@ class OutboxRelay:
         return protocol.publish_order(records)
 
     async def _relay(self, batch: list[dict[str, Any]], transport: _Transport) -> None:
-        try:
-            send = await transport.sender()
-        except Exception as exc:
-            results: list[BaseException | None] = [exc] * len(batch)
-        else:
-            results = await publish_batch(batch, send, self._observer, via="relay")
+        results = await publish_batch(batch, transport, self._observer, via="relay")
         counters = self.counters
         marks: list[str] = []
         failures: list[tuple[Any, Failure]] = []
@@ -948,7 +948,7 @@ class OutboxRuntime:
 # -- the standalone outbox ----------------------------------------------------------------------------
 
 
-class OutboxTransaction(TypedPublishing):
+class OutboxTransaction(TransactionScope, TypedPublishing):
     """What :meth:`Outbox.transaction`'s function receives: the session, the database and the outbox.
 
     Valid while the function runs; pass ``session=tx.session`` to every operation that
@@ -956,52 +956,22 @@ class OutboxTransaction(TypedPublishing):
     return the event id exactly like a handler's ``mongo.outbox``.
     """
 
-    __slots__ = ("_database", "_open", "_session", "_writer")
+    __slots__ = ("_writer",)
+
+    _closed_message = "this transaction has ended; its session and outbox cannot be used any more"
 
     def __init__(self, session: AsyncClientSession, database: AsyncDatabase[Any], writer: OutboxWriter) -> None:
-        self._session = session
-        self._database = database
+        super().__init__(session, database)
         self._writer = writer
-        self._open = True
 
     def __repr__(self) -> str:
         return f"<OutboxTransaction open={self._open} written={self._writer.written}>"
 
-    def _check(self) -> None:
-        if not self._open:
-            raise ScopeClosedError("this transaction has ended; its session and outbox cannot be used any more")
-
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
-    @property
-    def session(self) -> AsyncClientSession:
-        """The transaction's session."""
-        self._check()
-        return self._session
-
-    @property
-    def database(self) -> AsyncDatabase[Any]:
-        """The outbox's database."""
-        self._check()
-        return self._database
-
-    async def publish(
-        self,
-        content: CustomPublishContent[T],
-        routing_key: str,
-        payload: T,
-        *,
-        version: int,
-        **options: Unpack[PublishOptions],
+    async def _publish[T](
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, version: int, options: PublishOptions
     ) -> uuid.UUID:
-        """Stage a message with a custom content contract; it is published after the commit. Returns its event id."""
         self._check()
         return await self._writer.publish(content, routing_key, payload, version=version, **options)
-
-    def close(self) -> None:
-        self._open = False
 
 
 class _State(enum.Enum):
@@ -1015,7 +985,7 @@ class _Step(enum.Enum):
     REPLAY = "replay"  # not committed: run fn again in a fresh transaction
 
 
-class Outbox:
+class Outbox(OpenClose):
     """The transactional outbox for code outside handlers (a web endpoint, a script).
 
     ``await outbox.transaction(fn)`` runs ``fn(tx)`` in a fresh session and transaction
@@ -1043,12 +1013,7 @@ class Outbox:
         check_database_name("database", database)
         if amqp_url is not None:
             check_amqp_url("amqp_url", amqp_url)
-        if options is None:
-            options = OutboxOptions()
-        if not isinstance(options, OutboxOptions):
-            raise ConfigError(f"options must be an OutboxOptions, got {describe_value(options)}")
-        if not isinstance(name, str) or not 0 < utf8_len(name) <= 200:
-            raise ConfigError(f"name must be a string of 1..200 bytes, got {describe_value(name)}")
+        options = standalone_options(options, name)
         self._client = mongo_client
         self._database = mongo_client[database]
         self._url = amqp_url
@@ -1074,13 +1039,6 @@ class Outbox:
     def runtime(self) -> OutboxRuntime:
         """The process's outbox parts (dispatcher, relay, counters)."""
         return self._runtime
-
-    async def __aenter__(self) -> Outbox:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     async def open(self) -> None:
         """With ``amqp_url``: connect, read the server's clock, create the indexes, start dispatching (and

@@ -13,7 +13,7 @@ import functools
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypedDict, TypeVar, Unpack
+from typing import Any, Self, TypedDict, TypeVar, Unpack
 
 import aio_pika
 import aio_pika.abc
@@ -43,6 +43,7 @@ __all__ = [
     "JSON",
     "TEXT",
     "CustomPublishContent",
+    "OpenClose",
     "Publication",
     "PublishOptions",
     "Publisher",
@@ -152,9 +153,10 @@ def prepare_publication[T](
 
 
 class TypedPublishing:
-    """``publish_json`` / ``publish_text`` / ``publish_binary`` on top of a ``publish`` method.
+    """``publish`` and ``publish_json`` / ``publish_text`` / ``publish_binary`` on top of a ``_publish`` method.
 
-    Shared by :class:`Publisher` (publishes now) and the outbox (stages for the relay).
+    Shared by :class:`Publisher` (publishes now) and the outbox (stages for the relay): the
+    signatures are written here once, and each subclass says in ``_publish`` what a publish does.
     """
 
     __slots__ = ()
@@ -168,25 +170,53 @@ class TypedPublishing:
         version: int,
         **options: Unpack[PublishOptions],
     ) -> uuid.UUID:
-        raise NotImplementedError
+        """Publish ``payload`` with a custom content contract (an outbox stages it: it is published after the
+        commit); return its event id."""
+        return await self._publish(content, routing_key, payload, version, options)
 
     async def publish_json(
         self, routing_key: str, payload: Any, *, version: int, **options: Unpack[PublishOptions]
     ) -> uuid.UUID:
         """A JSON payload (content kind ``json``, ``application/json``); pydantic models are dumped."""
-        return await self.publish(JSON, routing_key, payload, version=version, **options)
+        return await self._publish(JSON, routing_key, payload, version, options)
 
     async def publish_text(
         self, routing_key: str, payload: str, *, version: int, **options: Unpack[PublishOptions]
     ) -> uuid.UUID:
         """UTF-8 text (content kind ``text``, ``text/plain; charset=utf-8``)."""
-        return await self.publish(TEXT, routing_key, payload, version=version, **options)
+        return await self._publish(TEXT, routing_key, payload, version, options)
 
     async def publish_binary(
         self, routing_key: str, payload: bytes, *, version: int, **options: Unpack[PublishOptions]
     ) -> uuid.UUID:
         """Raw bytes (content kind ``binary``, ``application/octet-stream``)."""
-        return await self.publish(BINARY, routing_key, payload, version=version, **options)
+        return await self._publish(BINARY, routing_key, payload, version, options)
+
+    async def _publish[T](
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, version: int, options: PublishOptions
+    ) -> uuid.UUID:
+        """What one publish does: publish now, or stage in the transaction; returns the event id."""
+        raise NotImplementedError
+
+
+class OpenClose:
+    """``async with`` on top of ``open()`` and ``close()``: opened on the way in, closed on the way out.
+
+    Shared by :class:`Publisher` and the standalone outbox.
+    """
+
+    async def open(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
 
 class _State(enum.Enum):
@@ -195,7 +225,7 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-class Publisher(TypedPublishing):
+class Publisher(OpenClose, TypedPublishing):
     """Publishes typed messages with confirms; an async context manager.
 
     Either give ``amqp_url`` (the publisher owns its connection) or an open
@@ -228,13 +258,6 @@ class Publisher(TypedPublishing):
 
     def __repr__(self) -> str:
         return f"<Publisher state={self._state.value}>"
-
-    async def __aenter__(self) -> Publisher:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     async def open(self) -> None:
         """Connect (when built from a URL) and open a confirming channel."""
@@ -281,14 +304,7 @@ class Publisher(TypedPublishing):
         )
         return publication.event_id
 
-    async def publish[T](
-        self,
-        content: CustomPublishContent[T],
-        routing_key: str,
-        payload: T,
-        *,
-        version: int,
-        **options: Unpack[PublishOptions],
+    async def _publish[T](
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, version: int, options: PublishOptions
     ) -> uuid.UUID:
-        """Publish ``payload`` with a custom content contract; return the event id."""
         return await self.send(prepare_publication(content, routing_key, payload, version=version, **options))

@@ -28,11 +28,10 @@ from ._signals import ShutdownSignals, graceful_notice
 from ._tasks import TaskSet
 from ._tasks import uncancellable as _uncancellable
 from ._text import describe_value
-from .bounds import utf8_len
 from .errors import ConfigError, LilyError
 from .lifecycle import ShutdownAction, ShutdownReport, State
 from .observe import Snapshot
-from .outbox import OutboxOptions, OutboxRuntime
+from .outbox import OutboxOptions, OutboxRuntime, standalone_options
 from .telemetry import Telemetry, resolve_telemetry
 
 if TYPE_CHECKING:
@@ -68,12 +67,7 @@ class Relay:
             raise ConfigError(f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}")
         check_database_name("database", database)
         check_amqp_url("amqp_url", amqp_url)
-        if options is None:
-            options = OutboxOptions()
-        if not isinstance(options, OutboxOptions):
-            raise ConfigError(f"options must be an OutboxOptions, got {describe_value(options)}")
-        if not isinstance(name, str) or not 0 < utf8_len(name) <= 200:
-            raise ConfigError(f"name must be a string of 1..200 bytes, got {describe_value(name)}")
+        options = standalone_options(options, name)
         self._client = mongo_client
         self._url = amqp_url
         self._options = options

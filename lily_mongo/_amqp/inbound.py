@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import operator
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Self, overload
 
 import aiormq.abc
 from pamqp import commands as spec
@@ -14,6 +15,26 @@ from .lenient import MALFORMED_HEADER
 from .publishing import LilyProperties
 
 __all__ = ["InboundMessage"]
+
+
+class _FromFrame[T]:
+    """A property of the delivery, read from its frame's decoded properties (the attribute ``name``) when
+    asked for: only the failure paths and the DLQ tools ask, so the constructor copies none."""
+
+    __slots__ = ("_read",)
+
+    def __init__(self, name: str) -> None:
+        self._read = operator.attrgetter(f"_properties.{name}")
+
+    @overload
+    def __get__(self, message: None, owner: type[Any]) -> Self: ...
+    @overload
+    def __get__(self, message: InboundMessage, owner: type[Any]) -> T: ...
+    def __get__(self, message: InboundMessage | None, owner: type[Any]) -> Self | T:
+        if message is None:
+            return self
+        value: T = self._read(message)
+        return value
 
 
 class InboundMessage:
@@ -77,41 +98,15 @@ class InboundMessage:
         return f"<InboundMessage tag={self.delivery_tag} routing_key={self.routing_key!r} body={len(self.body)} bytes>"
 
     # Read only on failure paths (handoff copies, failure keys): straight from the frame.
-    @property
-    def message_id(self) -> str | None:
-        return self._properties.message_id
-
-    @property
-    def correlation_id(self) -> str | None:
-        return self._properties.correlation_id
-
-    @property
-    def reply_to(self) -> str | None:
-        return self._properties.reply_to
-
-    @property
-    def app_id(self) -> str | None:
-        return self._properties.app_id
-
-    @property
-    def content_encoding(self) -> str | None:
-        return self._properties.content_encoding
-
-    @property
-    def priority(self) -> int | None:
-        return self._properties.priority
-
-    @property
-    def timestamp(self) -> Any:
-        return self._properties.timestamp
-
-    @property
-    def type(self) -> str | None:
-        return self._properties.message_type
-
-    @property
-    def user_id(self) -> str | None:
-        return self._properties.user_id
+    message_id = _FromFrame[str | None]("message_id")
+    correlation_id = _FromFrame[str | None]("correlation_id")
+    reply_to = _FromFrame[str | None]("reply_to")
+    app_id = _FromFrame[str | None]("app_id")
+    content_encoding = _FromFrame[str | None]("content_encoding")
+    priority = _FromFrame[int | None]("priority")
+    timestamp = _FromFrame[Any]("timestamp")
+    type = _FromFrame[str | None]("message_type")
+    user_id = _FromFrame[str | None]("user_id")
 
     def properties_with(self, headers: Mapping[str, Any], *, drop: tuple[str, ...] = ()) -> LilyProperties:
         """Every AMQP property of this delivery as it arrived, with ``headers`` as the header table
@@ -138,18 +133,15 @@ class InboundMessage:
 
     async def nack(self, *, requeue: bool = True) -> None:
         self._claim("nack")
-        if self._acks is not None:
-            await self._acks.alone(
-                self.delivery_tag, lambda: self.channel.basic_nack(self.delivery_tag, requeue=requeue)
-            )
-        else:
-            await self.channel.basic_nack(self.delivery_tag, requeue=requeue)
+        await self._alone(lambda: self.channel.basic_nack(self.delivery_tag, requeue=requeue))
 
     async def reject(self, *, requeue: bool = False) -> None:
         self._claim("reject")
+        await self._alone(lambda: self.channel.basic_reject(self.delivery_tag, requeue=requeue))
+
+    def _alone(self, write: Callable[[], Awaitable[None]]) -> Awaitable[None]:
+        """A NACK or reject (``write`` writes it) in a frame of its own: through the coalescer, after its
+        pending ACKs, when there is one."""
         if self._acks is not None:
-            await self._acks.alone(
-                self.delivery_tag, lambda: self.channel.basic_reject(self.delivery_tag, requeue=requeue)
-            )
-        else:
-            await self.channel.basic_reject(self.delivery_tag, requeue=requeue)
+            return self._acks.alone(self.delivery_tag, write)
+        return write()

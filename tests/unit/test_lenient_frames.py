@@ -9,6 +9,7 @@ comes through readable and marked instead of ending the connection.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -303,6 +304,21 @@ def test_an_ordinary_inbound_message_is_not_marked() -> None:
         channel=None,  # type: ignore[arg-type]
     )
     assert InboundMessage(delivered).malformed is None
+
+
+def test_an_inbound_message_reads_its_other_properties_from_the_frame() -> None:
+    stamp = datetime.datetime(2024, 5, 1, 12, 30, tzinfo=datetime.UTC)
+    properties = spec.Basic.Properties(
+        content_encoding="gzip", correlation_id="c-1", reply_to="answers", app_id="shop", priority=7
+    )
+    properties.timestamp, properties.message_type, properties.message_id, properties.user_id = stamp, "t", "m", "u"
+    header = pamqp_header.ContentHeader(0, 0, properties)
+    message = InboundMessage(aiormq.abc.DeliveredMessage(spec.Basic.Deliver("ctag", 2), header, b"", None))  # type: ignore[arg-type]
+    assert (message.content_encoding, message.correlation_id, message.reply_to) == ("gzip", "c-1", "answers")
+    assert (message.app_id, message.priority, message.timestamp) == ("shop", 7, stamp)
+    assert (message.type, message.message_id, message.user_id) == ("t", "m", "u")
+    with pytest.raises(AttributeError):
+        message.user_id = "someone else"  # type: ignore[misc]
 
 
 async def test_a_consuming_channels_frame_queue_is_unbounded() -> None:

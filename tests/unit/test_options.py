@@ -145,6 +145,7 @@ def test_standalone_outbox_options_are_checked(options: dict[str, Any], parts: t
         ({"amqp_url": "rabbit:5672"}, ("amqp_url", "amqp:// or amqps://")),
         ({"database": ""}, ("database", "''")),
         ({"options": 5}, ("options", "OutboxOptions", "int 5")),
+        ({"name": "n" * 201}, ("name", "1..200 bytes")),
         ({"graceful_timeout": 0}, ("graceful_timeout", "0", "> 0 and <= 3600")),
         ({"force_timeout": -1}, ("force_timeout", "-1")),
         ({"owns_mongo_client": "yes"}, ("owns_mongo_client", "True or False")),
