@@ -1530,6 +1530,24 @@ SCENARIOS = [
         id="handler-outlives-the-transaction-lifetime",
     ),
     pytest.param(
+        one_event(1, lifetime=4.0, deadline=30.0, replay_budget=3),
+        # The same on the lease path: the second expiry's count ends it; no third run.
+        [
+            Deliver(0),
+            Drive("h1", 2),
+            Wait(4),
+            Wait(1),
+            Drive("h1", 3),
+            Wait(0.5),
+            Drive("h1", 1),
+            Wait(4),
+            Wait(1),
+            Drive("h1", 4),
+        ],
+        "c0/h1(e1#m1) settles permanent: dead_lettered QUEUE_TRANSACTION_EXPIRED",
+        id="handler-outlives-the-transaction-lifetime-on-the-lease-path",
+    ),
+    pytest.param(
         one_event(1, lifetime=4.0, deadline=20.0, max_retries=1, replay_budget=3),
         # The first attempt outlives the lifetime (reaped), the second too, and the deadline cuts
         # it off: both count in the record, which the cancelled attempt's release keeps; the
