@@ -25,7 +25,7 @@ import aiormq.exceptions
 import pytest
 from pamqp import commands as spec
 from pamqp import frame as pamqp_frame
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, monitoring
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.uri_parser import parse_uri
 from yarl import URL
@@ -176,6 +176,32 @@ class MongoDB:
             yield MongoDB(self.uri, client, self.name)
         finally:
             await client.close()
+
+
+class CommandLog(monitoring.CommandListener):
+    """Every command a client sends, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[monitoring.CommandStartedEvent] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        self.events.append(event)
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+    def naming(self, collection: str) -> list[monitoring.CommandStartedEvent]:
+        """The commands whose target is ``collection``."""
+        return [e for e in self.events if e.command.get(e.command_name) == collection]
+
+
+def w1_client(mongodb: MongoDB, listener: CommandLog) -> AsyncMongoClient[Any]:
+    """A client of the test's server whose URI asks for ``w=1`` writes; its commands go to ``listener``."""
+    separator = "&" if "?" in mongodb.uri else "?"
+    return AsyncMongoClient(f"{mongodb.uri}{separator}w=1", event_listeners=[listener], serverSelectionTimeoutMS=10_000)
 
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]  # one side of a connection
