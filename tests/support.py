@@ -570,6 +570,12 @@ class RawProducer:
         await self.writer.drain()
         await self.expect(spec.Basic.Ack)
 
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
     async def close(self) -> None:
         try:
             self.send(0, spec.Connection.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0))
