@@ -7,7 +7,8 @@ embedded MongoDB-wire server and uses the local RabbitMQ.
 An integration test usually takes ``broker`` (the RabbitMQ: unique queue names,
 consumers, publishing, queue depths; see ``tests.support.Broker``) and, with an
 inbox, ``mongodb`` (client and a fresh database). ``failpoints`` is the
-package's own ``lily_mongo.testing.Faults``, off again after the test.
+package's own ``lily_mongo.testing.Faults``, off again after the test;
+``raw_producer`` sends frames no Python client library would write.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from lily_mongo.testing import Faults
-from tests.support import Broker, BrokerNames, MongoDB, amqp_url
+from tests.support import Broker, BrokerNames, MongoDB, RawProducer, amqp_url
 
 # The MongoDB fixtures are the package's own pytest plugin's (lily_mongo.pytest_plugin),
 # under the names these tests use.
@@ -81,6 +82,13 @@ async def names(amqp_connection: aio_pika.abc.AbstractConnection) -> AsyncIterat
         yield broker_names
     finally:
         await broker_names.cleanup(amqp_connection)
+
+
+@pytest.fixture
+async def raw_producer(amqp: str) -> AsyncIterator[RawProducer]:
+    """A producer writing AMQP frames by hand (``tests.support.RawProducer``), closed after the test."""
+    async with await RawProducer.open(amqp) as producer:
+        yield producer
 
 
 @pytest.fixture

@@ -17,15 +17,17 @@ import uuid
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Self, TypeVar
 
 import aio_pika
 import aio_pika.abc
 import aiormq.exceptions
+import pytest
 from pamqp import commands as spec
 from pamqp import frame as pamqp_frame
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, monitoring
 from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.uri_parser import parse_uri
 from yarl import URL
 
 from lily_mongo import (
@@ -174,6 +176,91 @@ class MongoDB:
             yield MongoDB(self.uri, client, self.name)
         finally:
             await client.close()
+
+
+class CommandLog(monitoring.CommandListener):
+    """Every command a client sends, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[monitoring.CommandStartedEvent] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        self.events.append(event)
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+    def naming(self, collection: str) -> list[monitoring.CommandStartedEvent]:
+        """The commands whose target is ``collection``."""
+        return [e for e in self.events if e.command.get(e.command_name) == collection]
+
+
+def w1_client(mongodb: MongoDB, listener: CommandLog) -> AsyncMongoClient[Any]:
+    """A client of the test's server whose URI asks for ``w=1`` writes; its commands go to ``listener``."""
+    separator = "&" if "?" in mongodb.uri else "?"
+    return AsyncMongoClient(f"{mongodb.uri}{separator}w=1", event_listeners=[listener], serverSelectionTimeoutMS=10_000)
+
+
+Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]  # one side of a connection
+
+
+class CuttingProxy:
+    """A TCP proxy in front of the test's one MongoDB server, which a subclass's :meth:`relay` makes drop
+    connections: to the client behind it (``uri``) a real network error.
+
+    :meth:`relay` copies the bytes of one client connection both ways and returns when that
+    connection is done or cut; both sides are aborted then. ``cut`` counts a cut in ``cuts``
+    and aborts the writers it is given at once.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.cuts = 0
+        self.uri = ""
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @classmethod
+    def fronting(cls, mongodb: MongoDB) -> Self:
+        """A proxy for the test's server; the test is skipped against more than one server."""
+        nodes = parse_uri(mongodb.uri)["nodelist"]
+        if len(nodes) != 1:
+            pytest.skip("a connection-cutting proxy fronts a single server")
+        host, port = nodes[0]
+        return cls(host, port)
+
+    async def __aenter__(self) -> Self:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        self.uri = f"mongodb://{host}:{port}/?directConnection=true"
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        await self._server.wait_closed()
+
+    def cut(self, *writers: asyncio.StreamWriter) -> None:
+        self.cuts += 1
+        for writer in writers:
+            writer.transport.abort()
+
+    async def relay(self, client: Streams, server: Streams) -> None:
+        raise NotImplementedError
+
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection(*self.upstream)
+        self._writers |= {client_writer, server_writer}
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            await self.relay((client_reader, client_writer), (server_reader, server_writer))
+        for writer in (client_writer, server_writer):
+            writer.transport.abort()
+            self._writers.discard(writer)
 
 
 @dataclass
@@ -482,6 +569,12 @@ class RawProducer:
             self.writer.write(bytes((kind,)) + (1).to_bytes(2) + len(payload).to_bytes(4) + payload + b"\xce")
         await self.writer.drain()
         await self.expect(spec.Basic.Ack)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
     async def close(self) -> None:
         try:

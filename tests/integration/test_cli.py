@@ -152,16 +152,23 @@ def run_error_line(result: Completed) -> str:
     return lines[-1]
 
 
+async def reap(process: asyncio.subprocess.Process) -> None:
+    """Kill the process if it still runs and collect it, its output read to the end (no one else may read it)."""
+    if process.returncode is None:
+        process.kill()
+        await process.communicate()
+
+
 @contextlib.asynccontextmanager
-async def cli_process(*args: str, env: dict[str, str], cwd: Path) -> AsyncIterator[asyncio.subprocess.Process]:
+async def cli_process(
+    *args: str, env: dict[str, str], cwd: Path | None = None
+) -> AsyncIterator[asyncio.subprocess.Process]:
     """A long-running command; killed and reaped if the test leaves it running."""
     process = await start_cli(*args, env=env, cwd=cwd)
     try:
         yield process
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.communicate()
+        await reap(process)
 
 
 # -- broker and database helpers ------------------------------------------------------------------

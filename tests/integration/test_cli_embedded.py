@@ -8,6 +8,7 @@ and its queue name (unique per test on the shared broker) are changed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from lily_mongo.embedded import available
-from tests.integration.test_cli import cli_env, cli_process, finish, start_cli, wait_for_consumer
+from tests.integration.test_cli import cli_env, cli_process, finish, wait_for_consumer
 from tests.integration.test_cli_http import free_port
 from tests.support import Broker, eventually
 
@@ -28,29 +29,26 @@ SECTION = "## Your own service on the embedded MongoDB"
 pytestmark = pytest.mark.skipif(not available(), reason="the embedded server needs the 'embedded' extra")
 
 
-async def start_embedded(port: int, *args: str) -> tuple[asyncio.subprocess.Process, str]:
-    process = await start_cli("embedded", "--port", str(port), *args, env=cli_env("amqp://unused/", "unused"))
-    assert process.stdout is not None
-    line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().strip()
-    return process, line
+@contextlib.asynccontextmanager
+async def embedded_server(*args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, int, str]]:
+    """``lily-mongo embedded`` on a free port: its process, the port and the line it prints first (its URI);
+    killed and reaped if the test leaves it running."""
+    port = free_port()
+    env = cli_env("amqp://unused/", "unused")
+    async with cli_process("embedded", "--port", str(port), *args, env=env) as process:
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().strip()
+        yield process, port, line
 
 
 @pytest.fixture
 async def embedded() -> AsyncIterator[str]:
-    port = free_port()
-    process, uri = await start_embedded(port)
-    try:
+    async with embedded_server() as (_, _, uri):
         yield uri
-    finally:
-        if process.returncode is None:
-            process.terminate()
-            await process.wait()
 
 
 async def test_embedded_answers_ping_on_its_port_and_stops_on_sigterm(tmp_path: Path) -> None:
-    port = free_port()
-    process, uri = await start_embedded(port)
-    try:
+    async with embedded_server() as (process, port, uri):
         assert uri == f"mongodb://127.0.0.1:{port}/"
         client: AsyncMongoClient[Any] = AsyncMongoClient(uri, serverSelectionTimeoutMS=10_000)
         try:
@@ -59,10 +57,6 @@ async def test_embedded_answers_ping_on_its_port_and_stops_on_sigterm(tmp_path: 
             await client.close()
         process.send_signal(signal.SIGTERM)
         result = await finish(process, ["lily-mongo", "embedded"], timeout=20)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     assert result.returncode == 0, result.describe()
     assert f"listening at mongodb://127.0.0.1:{port}/, in memory" in result.stderr
 
@@ -70,18 +64,17 @@ async def test_embedded_answers_ping_on_its_port_and_stops_on_sigterm(tmp_path: 
 async def test_embedded_data_is_kept_between_runs(tmp_path: Path) -> None:
     data = tmp_path / "mongo-data"
     for run in range(2):
-        port = free_port()
-        process, uri = await start_embedded(port, "--data", str(data))
-        try:
-            client: AsyncMongoClient[Any] = AsyncMongoClient(uri, serverSelectionTimeoutMS=10_000)
+        async with embedded_server("--data", str(data)) as (process, _, uri):
             try:
-                assert await client.dev.things.count_documents({}) == run  # what the earlier runs wrote
-                await client.dev.things.insert_one({"run": run})
+                client: AsyncMongoClient[Any] = AsyncMongoClient(uri, serverSelectionTimeoutMS=10_000)
+                try:
+                    assert await client.dev.things.count_documents({}) == run  # what the earlier runs wrote
+                    await client.dev.things.insert_one({"run": run})
+                finally:
+                    await client.close()
             finally:
-                await client.close()
-        finally:
-            process.send_signal(signal.SIGTERM)
-            result = await finish(process, ["lily-mongo", "embedded"], timeout=20)
+                process.send_signal(signal.SIGTERM)
+                result = await finish(process, ["lily-mongo", "embedded"], timeout=20)
         assert result.returncode == 0, result.describe()
         assert "one transaction at a time" in result.stderr
 

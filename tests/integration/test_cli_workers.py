@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.integration.test_cli import cli_env, start_cli
+from tests.integration.test_cli import cli_env, reap, start_cli
 from tests.integration.test_cli_http import free_port, get
 from tests.support import Broker, consumer_count, eventually
 
@@ -87,14 +87,13 @@ async def supervised(broker: Broker, tmp_path: Path, q: str, *args: str) -> Asyn
     try:
         yield running
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+        reader.cancel()
+        await asyncio.wait([reader])  # stderr is the reaping's to read now
+        await reap(process)
         with contextlib.suppress(ProcessLookupError):
             for pids in running.started().values():
                 for pid in pids:
                     os.kill(pid, signal.SIGKILL)  # a worker the test left running
-        reader.cancel()
 
 
 async def consumers(broker: Broker, q: str, count: int, service: Supervised, timeout: float = 30.0) -> None:

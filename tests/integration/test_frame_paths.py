@@ -11,48 +11,25 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aio_pika.abc
-import pydantic
 import pytest
 from yarl import URL
 
-from lily_mongo import Consumer, Json, RetryPolicy, queue
 from lily_mongo._amqp import LenientFrameReader, LenientTransport, connect_amqp, frame_path
+from tests.integration.test_malformed_frames import envelope_entries, make_consumer, publish_valid
 from tests.support import (
+    Broker,
     BrokerNames,
     RawProducer,
-    drain,
     long_string_value,
-    queue_depth,
     raw_properties,
     raw_table,
     wait_observations,
 )
 from tests.versions import untested
-
-
-class Order(pydantic.BaseModel):
-    id: int
-
-
-def envelope(event_id: str) -> list[tuple[bytes, bytes]]:
-    return [
-        (b"x-lily-event-id", long_string_value(event_id)),
-        (b"x-lily-schema-version", long_string_value("1")),
-        (b"x-lily-content-kind", long_string_value("json")),
-    ]
-
-
-@pytest.fixture
-async def producer(amqp: str) -> AsyncIterator[RawProducer]:
-    raw = await RawProducer.open(amqp)
-    try:
-        yield raw
-    finally:
-        await raw.close()
 
 
 @pytest.fixture
@@ -94,32 +71,23 @@ async def test_on_the_tested_versions_a_connection_reads_with_lilys_receiver(amq
 
 
 async def test_outside_the_tested_versions_the_consumer_runs_on_aiormqs_receiver(
-    amqp: str,
-    amqp_channel: aio_pika.abc.AbstractChannel,
-    names: BrokerNames,
-    producer: RawProducer,
+    broker: Broker,
+    raw_producer: RawProducer,
     untested_aiormq: None,
     readers: list[LenientFrameReader],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="lily_mongo")
-    q = names.queue("stock")
+    q = broker.queue("stock")
     seen: list[int] = []
-
-    @queue(q, version=1, content="json")
-    async def handle(order: Json[Order]) -> None:
-        seen.append(order.id)
-
-    consumer = Consumer(amqp_url=amqp, name="stock-path")
-    consumer.configure_queue(q, retry=RetryPolicy(max_retries=1, delays=(0.2,)))
-    consumer.include(handle)
-    managed = await consumer.start()
+    managed = await make_consumer(broker.url, q, seen).start()
     try:
-        headers = raw_table([*envelope(str(uuid.uuid4())), (b"x-\xff", long_string_value("v"))])
-        await producer.publish("", q.encode(), raw_properties(content_type=b"application/json", headers=headers), b"{}")
+        headers = raw_table([*envelope_entries(str(uuid.uuid4())), (b"x-\xff", long_string_value("v"))])
+        await raw_producer.publish(
+            "", q.encode(), raw_properties(content_type=b"application/json", headers=headers), b"{}"
+        )
         for n in (1, 2, 3):
-            valid = raw_properties(content_type=b"application/json", headers=raw_table(envelope(str(uuid.uuid4()))))
-            await producer.publish("", q.encode(), valid, Order(id=n).model_dump_json().encode())
+            await publish_valid(raw_producer, q, n)
         observations = await wait_observations(managed, 4)
     finally:
         report = await managed.shutdown()
@@ -133,8 +101,8 @@ async def test_outside_the_tested_versions_the_consumer_runs_on_aiormqs_receiver
         ("dead_lettered", "QUEUE_ENVELOPE_INVALID"),
     ]
     assert report.succeeded, report.render()
-    assert [await queue_depth(amqp_channel, name) for name in (q, f"{q}.dlq")] == [0, 1]
-    [copy] = await drain(amqp_channel, f"{q}.dlq")
+    assert await broker.depths(q, f"{q}.dlq") == [0, 1]
+    [copy] = await broker.drain(f"{q}.dlq")
     assert copy.headers["x-lily-failure-reason"] == "a header name is not valid UTF-8"
     said = [r for r in caplog.records if r.name == "lily_mongo" and "aiormq's own receiver" in r.getMessage()]
     assert len(said) == 1, [r.getMessage() for r in said]

@@ -37,33 +37,39 @@ async def consume_one(channel: aio_pika.abc.AbstractChannel, name: str) -> aiorm
         await underlay.basic_cancel(consuming.consumer_tag)
 
 
-async def publish(channel: aio_pika.abc.AbstractChannel, name: str) -> None:
-    await channel.default_exchange.publish(
-        aio_pika.Message(
-            b'{"n": 1}',
-            headers={"x-lily-event-id": "0f8fad5b-d9cb-469f-a165-70867728950e", "x-retry-count": 2, "t": [1, "a"]},
-            content_type="application/json",
-            content_encoding="identity",
-            correlation_id="corr-7",
-            reply_to="replies",
-            app_id="orders",
-            priority=3,
-            timestamp=STAMP,
-            type="order.placed",
-            message_id="m-1",
-        ),
-        routing_key=name,
+def every_property() -> aio_pika.Message:
+    """A message with a body, headers and every basic property set."""
+    return aio_pika.Message(
+        b'{"n": 1}',
+        headers={"x-lily-event-id": "0f8fad5b-d9cb-469f-a165-70867728950e", "x-retry-count": 2, "t": [1, "a"]},
+        content_type="application/json",
+        content_encoding="identity",
+        correlation_id="corr-7",
+        reply_to="replies",
+        app_id="orders",
+        priority=3,
+        timestamp=STAMP,
+        type="order.placed",
+        message_id="m-1",
     )
+
+
+async def delivered(
+    connection: aio_pika.abc.AbstractConnection, name: str, message: aio_pika.Message
+) -> tuple[aio_pika.abc.AbstractChannel, InboundMessage]:
+    """On a channel of its own: ``name`` declared, ``message`` published to it and consumed; the channel
+    and the delivery as the consumer reads it (unacknowledged)."""
+    channel = await connection.channel()
+    await channel.declare_queue(name, durable=True)
+    await channel.default_exchange.publish(message, routing_key=name)
+    return channel, InboundMessage(await consume_one(channel, name))
 
 
 async def test_fields_are_the_published_ones(
     amqp_connection: aio_pika.abc.AbstractConnection, names: BrokerNames
 ) -> None:
     q = names.queue("inbound")
-    channel = await amqp_connection.channel()
-    await channel.declare_queue(q, durable=True)
-    await publish(channel, q)
-    message = InboundMessage(await consume_one(channel, q))
+    channel, message = await delivered(amqp_connection, q, every_property())
     assert message.body == b'{"n": 1}'
     assert message.headers == {
         "x-lily-event-id": "0f8fad5b-d9cb-469f-a165-70867728950e",
@@ -86,10 +92,7 @@ async def test_a_delivery_is_settled_at_most_once(
     first: str, amqp_connection: aio_pika.abc.AbstractConnection, names: BrokerNames
 ) -> None:
     q = names.queue(f"inbound-{first}")
-    channel = await amqp_connection.channel()
-    await channel.declare_queue(q, durable=True)
-    await publish(channel, q)
-    message = InboundMessage(await consume_one(channel, q))
+    channel, message = await delivered(amqp_connection, q, every_property())
     if first == "ack":
         await message.ack()
     elif first == "nack":
@@ -110,10 +113,7 @@ async def test_no_headers_read_as_an_empty_table(
     amqp_connection: aio_pika.abc.AbstractConnection, names: BrokerNames
 ) -> None:
     q = names.queue("inbound-bare")
-    channel = await amqp_connection.channel()
-    await channel.declare_queue(q, durable=True)
-    await channel.default_exchange.publish(aio_pika.Message(b"x"), routing_key=q)
-    message = InboundMessage(await consume_one(channel, q))
+    _, message = await delivered(amqp_connection, q, aio_pika.Message(b"x"))
     assert message.headers == {}
     assert (message.content_type, message.timestamp, message.type) == (None, None, None)
     await message.ack()

@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient
 from pymongo.errors import OperationFailure
-from pymongo.uri_parser import parse_uri
 
 from lily_mongo import (
     Consumer,
@@ -39,7 +38,7 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.testing import Faults
-from tests.support import Broker, MongoDB, accepting, eventually, one_event, outcomes, running
+from tests.support import Broker, CuttingProxy, MongoDB, Streams, accepting, eventually, one_event, outcomes, running
 
 Handler = Callable[..., Awaitable[None]]
 
@@ -377,8 +376,8 @@ async def test_close_connection_failpoint_on_commit(
     assert await broker.depth(f"{run.q}.dlq") == 0
 
 
-class CommitCutter:
-    """A TCP proxy in front of the MongoDB server that drops connections around ``commitTransaction``.
+class CommitCutter(CuttingProxy):
+    """A proxy in front of the MongoDB server that drops connections around ``commitTransaction``.
 
     ``cut_requests``: drop the connection instead of forwarding the next N commits (the
     commit never reaches the server). ``cut_replies``: forward the next N commits, then
@@ -390,36 +389,13 @@ class CommitCutter:
     MARK = b"commitTransaction\x00"
 
     def __init__(self, host: str, port: int) -> None:
-        self.upstream = (host, port)
+        super().__init__(host, port)
         self.cut_requests = 0
         self.cut_replies = 0
-        self.cuts = 0
-        self.uri = ""
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
 
-    async def __aenter__(self) -> CommitCutter:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        host, port = self._server.sockets[0].getsockname()[:2]
-        self.uri = f"mongodb://{host}:{port}/?directConnection=true"
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in list(self._writers):
-            writer.transport.abort()
-        await self._server.wait_closed()
-
-    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        server_reader, server_writer = await asyncio.open_connection(*self.upstream)
-        self._writers |= {client_writer, server_writer}
+    async def relay(self, client: Streams, server: Streams) -> None:
+        (client_reader, client_writer), (server_reader, server_writer) = client, server
         reply_doomed = False
-
-        def cut() -> None:
-            self.cuts += 1
-            client_writer.transport.abort()
-            server_writer.transport.abort()
 
         async def upstream() -> None:
             nonlocal reply_doomed
@@ -427,7 +403,7 @@ class CommitCutter:
                 if self.MARK in data:
                     if self.cut_requests > 0:
                         self.cut_requests -= 1
-                        cut()
+                        self.cut(client_writer, server_writer)
                         return
                     if self.cut_replies > 0:
                         self.cut_replies -= 1
@@ -438,26 +414,18 @@ class CommitCutter:
         async def downstream() -> None:
             while data := await server_reader.read(65536):
                 if reply_doomed:
-                    cut()
+                    self.cut(client_writer, server_writer)
                     return
                 client_writer.write(data)
                 await client_writer.drain()
 
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            await asyncio.gather(upstream(), downstream())
-        for writer in (client_writer, server_writer):
-            writer.transport.abort()
-            self._writers.discard(writer)
+        await asyncio.gather(upstream(), downstream())
 
 
 @contextlib.asynccontextmanager
 async def behind_a_cutter(mongodb: MongoDB) -> AsyncIterator[tuple[CommitCutter, MongoDB]]:
     """A :class:`CommitCutter` in front of the test's server, and the test's database through it."""
-    nodes = parse_uri(mongodb.uri)["nodelist"]
-    if len(nodes) != 1:
-        pytest.skip("the commit-cutting proxy fronts a single server")
-    host, port = nodes[0]
-    async with CommitCutter(host, port) as cutter:
+    async with CommitCutter.fronting(mongodb) as cutter:
         client: AsyncMongoClient[Any] = AsyncMongoClient(cutter.uri, serverSelectionTimeoutMS=10_000)
         try:
             yield cutter, MongoDB(cutter.uri, client, mongodb.name)

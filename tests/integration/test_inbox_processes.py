@@ -18,11 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-from pymongo.uri_parser import parse_uri
-
 from lily_mongo import Consumer, EventId, InboxOptions, MongoScope, RetryPolicy, queue
-from tests.support import Broker, MongoDB, eventually, one_event, outcomes, running
+from tests.support import Broker, CuttingProxy, MongoDB, Streams, eventually, one_event, outcomes, running
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "workers" / "inbox_worker.py"
@@ -319,8 +316,8 @@ async def test_a_competing_copy_during_a_long_handler_never_applies_the_event_tw
 # -- the deferral count survives the process ------------------------------------------------------
 
 
-class ClaimCutter:
-    """A TCP proxy in front of the MongoDB server that drops every connection carrying a lease claim.
+class ClaimCutter(CuttingProxy):
+    """A proxy in front of the MongoDB server that drops every connection carrying a lease claim.
 
     A claim is recognised by its pipeline's field ``_lily_free`` (``records.claim_pipeline``);
     everything else (the deferral counts among it) passes. To the consumer behind it the
@@ -329,29 +326,8 @@ class ClaimCutter:
 
     MARK = b"_lily_free"
 
-    def __init__(self, host: str, port: int) -> None:
-        self.upstream = (host, port)
-        self.cuts = 0
-        self.uri = ""
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    async def __aenter__(self) -> ClaimCutter:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        host, port = self._server.sockets[0].getsockname()[:2]
-        self.uri = f"mongodb://{host}:{port}/?directConnection=true"
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in list(self._writers):
-            writer.transport.abort()
-        await self._server.wait_closed()
-
-    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        server_reader, server_writer = await asyncio.open_connection(*self.upstream)
-        self._writers |= {client_writer, server_writer}
+    async def relay(self, client: Streams, server: Streams) -> None:
+        (client_reader, client_writer), (server_reader, server_writer) = client, server
 
         async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, cut_claims: bool) -> None:
             while data := await reader.read(65536):
@@ -361,19 +337,15 @@ class ClaimCutter:
                 writer.write(data)
                 await writer.drain()
 
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            _, pending = await asyncio.wait(
-                [
-                    asyncio.ensure_future(pipe(client_reader, server_writer, cut_claims=True)),
-                    asyncio.ensure_future(pipe(server_reader, client_writer, cut_claims=False)),
-                ],
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            for task in pending:
-                task.cancel()
-        for writer in (client_writer, server_writer):
-            writer.transport.abort()
-            self._writers.discard(writer)
+        _, pending = await asyncio.wait(
+            [
+                asyncio.ensure_future(pipe(client_reader, server_writer, cut_claims=True)),
+                asyncio.ensure_future(pipe(server_reader, client_writer, cut_claims=False)),
+            ],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        for task in pending:
+            task.cancel()
 
 
 async def test_the_deferral_count_continues_across_a_killed_consumer(
@@ -383,13 +355,10 @@ async def test_the_deferral_count_continues_across_a_killed_consumer(
     # deferrals, a counting record does. Replica A defers the event, is killed; replica B
     # starts with an empty process memory and carries on from A's count: the event is
     # dead-lettered at the bound counted across both, not after max_deferrals more.
-    nodes = parse_uri(mongodb.uri)["nodelist"]
-    if len(nodes) != 1:
-        pytest.skip("the claim-cutting proxy fronts a single server")
     q, handler_id, event, key = one_event(broker, "counted")
     records = mongodb.db[RECORDS]
     bound = 4
-    async with ClaimCutter(*nodes[0]) as cutter, workers_in(tmp_path) as workers:
+    async with ClaimCutter.fronting(mongodb) as cutter, workers_in(tmp_path) as workers:
         common = [
             *worker_args(broker, MongoDB(cutter.uri, mongodb.client, mongodb.name), q, handler_id, lease_seconds="30"),
             *("--claim-in-transaction", "off", "--deadline", "8", "--max-deferrals", str(bound)),

@@ -10,12 +10,10 @@ the messages behind it handled, and the connection kept (no new transport genera
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 
 import aio_pika
 import aio_pika.abc
 import pydantic
-import pytest
 
 from lily_mongo import Consumer, Json, ManagedConsumer, RetryPolicy, queue
 from tests.support import (
@@ -49,15 +47,6 @@ def valid_properties(event_id: str) -> bytes:
     return raw_properties(content_type=b"application/json", headers=raw_table(envelope_entries(event_id)))
 
 
-@pytest.fixture
-async def producer(amqp: str) -> AsyncIterator[RawProducer]:
-    raw = await RawProducer.open(amqp)
-    try:
-        yield raw
-    finally:
-        await raw.close()
-
-
 def make_consumer(amqp: str, q: str, seen: list[int]) -> Consumer:
     @queue(q, version=1, content="json")
     async def handle(order: Json[Order]) -> None:
@@ -83,7 +72,7 @@ def refused(managed: ManagedConsumer) -> list[str]:
 
 
 async def test_an_undecodable_header_name_is_dead_lettered_and_the_messages_behind_it_are_handled(
-    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, producer: RawProducer
+    amqp: str, amqp_channel: aio_pika.abc.AbstractChannel, names: BrokerNames, raw_producer: RawProducer
 ) -> None:
     q = names.queue("badkey")
     seen: list[int] = []
@@ -91,9 +80,11 @@ async def test_an_undecodable_header_name_is_dead_lettered_and_the_messages_behi
     try:
         event_id = str(uuid.uuid4())
         headers = raw_table([*envelope_entries(event_id), (b"x-\xff\xfe", long_string_value("v"))])
-        await producer.publish("", q.encode(), raw_properties(content_type=b"application/json", headers=headers), BODY)
+        await raw_producer.publish(
+            "", q.encode(), raw_properties(content_type=b"application/json", headers=headers), BODY
+        )
         for n in (1, 2, 3):
-            await publish_valid(producer, q, n)
+            await publish_valid(raw_producer, q, n)
         observations = await wait_observations(managed, 4)
         generation = managed.snapshot().transport_generation
     finally:
@@ -117,7 +108,7 @@ async def test_undecodable_text_in_any_metadata_field_is_refused_and_consuming_g
     amqp: str,
     amqp_channel: aio_pika.abc.AbstractChannel,
     names: BrokerNames,
-    producer: RawProducer,
+    raw_producer: RawProducer,
 ) -> None:
     q = names.queue("badmeta")
     exchange = names.exchange("fanout")
@@ -143,8 +134,8 @@ async def test_undecodable_text_in_any_metadata_field_is_refused_and_consuming_g
                 message_id=fields.get("message_id"),
                 message_type=fields.get("message_type"),
             )
-            await producer.publish(target, routing_key, properties, BODY)
-            await publish_valid(producer, q, n)
+            await raw_producer.publish(target, routing_key, properties, BODY)
+            await publish_valid(raw_producer, q, n)
         await wait_observations(managed, 2 * len(poison))
         generation = managed.snapshot().transport_generation
     finally:

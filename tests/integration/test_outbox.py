@@ -73,6 +73,16 @@ def outbox_consumer(
     )
 
 
+def forwarding_consumer(broker: Broker, mongodb: MongoDB, q: str, destination: str, **options: Any) -> Consumer:
+    """An :func:`outbox_consumer` whose handler writes one outbox message to ``destination`` per event."""
+
+    @queue(q, version=1, content="json")
+    async def handle(event_id: EventId, mongo: MongoScope) -> None:
+        await mongo.outbox.publish_json(destination, {"from": str(event_id)}, version=1)
+
+    return outbox_consumer(broker, mongodb, q, handle, **options)
+
+
 async def source_and_downstream(broker: Broker, base: str) -> tuple[str, str]:
     """A queue for the test's consumer and a declared downstream queue its outbox messages go to."""
     return broker.queue(base), await broker.declare(broker.queue("down"))
@@ -260,12 +270,8 @@ async def test_unroutable_record_is_retried_then_parked_as_failed(broker: Broker
     q = broker.queue("unroutable")
     nowhere = f"{broker.names.prefix}.nowhere"  # no queue is bound to this routing key
 
-    @queue(q, version=1, content="json")
-    async def handle(event_id: EventId, mongo: MongoScope) -> None:
-        await mongo.outbox.publish_json(nowhere, {"from": str(event_id)}, version=1)
-
     options = OutboxOptions(max_attempts=2, backoff_base=0.05, poll_interval=0.1, count_interval=0.1)
-    consumer = outbox_consumer(broker, mongodb, q, handle, outbox=options)
+    consumer = forwarding_consumer(broker, mongodb, q, nowhere, outbox=options)
     outbox = mongodb.db[OUTBOX]
     async with running(consumer, expect_clean=False) as managed:
         await broker.publish(q, {"n": 1})
@@ -292,12 +298,8 @@ async def test_an_unroutable_destination_is_logged_once_by_name_and_counted(
     q = broker.queue("unroutable-log")
     nowhere = f"{broker.names.prefix}.orders.confirmed"  # nothing declares this queue
 
-    @queue(q, version=1, content="json")
-    async def handle(event_id: EventId, mongo: MongoScope) -> None:
-        await mongo.outbox.publish_json(nowhere, {"from": str(event_id)}, version=1)
-
     relay = OutboxOptions(max_attempts=4, backoff_base=0.02, backoff_max=0.05, poll_interval=0.05)
-    consumer = outbox_consumer(broker, mongodb, q, handle, outbox=relay)
+    consumer = forwarding_consumer(broker, mongodb, q, nowhere, outbox=relay)
     outbox = mongodb.db[OUTBOX]
     caplog.set_level("WARNING", logger="lily_mongo")
     async with running(consumer, expect_clean=False) as managed:
@@ -343,12 +345,7 @@ async def test_a_destination_declared_by_the_consumer_makes_its_records_routable
 ) -> None:
     q = broker.queue("dest-src")
     destination = broker.queue("dest-confirmed")
-
-    @queue(q, version=1, content="json")
-    async def handle(event_id: EventId, mongo: MongoScope) -> None:
-        await mongo.outbox.publish_json(destination, {"from": str(event_id)}, version=1)
-
-    consumer = outbox_consumer(broker, mongodb, q, handle)
+    consumer = forwarding_consumer(broker, mongodb, q, destination)
     consumer.sends(destination, version=1, declare=True)
     async with running(consumer) as managed:
         await broker.publish(q, {"n": 1})

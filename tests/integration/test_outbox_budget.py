@@ -13,39 +13,15 @@ import collections
 import time
 from typing import Any
 
-from pymongo import AsyncMongoClient, monitoring
+from pymongo import monitoring
 
 from lily_mongo import Consumer, EventId, MongoScope, Outbox, OutboxOptions, OutboxTransaction, RetryPolicy, queue
 from lily_mongo.outbox import OutboxRelay
 from tests.integration.test_outbox import event_ids, outbox_record, relays_running
-from tests.support import Broker, MongoDB, eventually, running
+from tests.support import Broker, CommandLog, MongoDB, eventually, running, w1_client
 
 OUTBOX = "lily_outbox"
 WRITES = frozenset({"insert", "update", "delete", "findAndModify"})
-
-
-class CommandLog(monitoring.CommandListener):
-    """Every command a client sends, by name, with the collection it names."""
-
-    def __init__(self) -> None:
-        self.events: list[monitoring.CommandStartedEvent] = []
-
-    def started(self, event: monitoring.CommandStartedEvent) -> None:
-        self.events.append(event)
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
-
-    def on_outbox(self) -> list[monitoring.CommandStartedEvent]:
-        return [e for e in self.events if e.command.get(e.command_name) == OUTBOX]
-
-
-def w1_client(mongodb: MongoDB, listener: CommandLog) -> AsyncMongoClient[Any]:
-    separator = "&" if "?" in mongodb.uri else "?"
-    return AsyncMongoClient(f"{mongodb.uri}{separator}w=1", event_listeners=[listener], serverSelectionTimeoutMS=10_000)
 
 
 def assert_majority_outside_transactions(events: list[monitoring.CommandStartedEvent]) -> None:
@@ -78,7 +54,7 @@ async def test_the_happy_path_costs_the_insert_plus_batched_marks_and_no_claim(
         assert await broker.depth(down) == count
     finally:
         await client.close()
-    events = listener.on_outbox()
+    events = listener.naming(OUTBOX)
     names = collections.Counter(e.command_name for e in events)
     inserts = [e for e in events if e.command_name == "insert"]
     assert len(inserts) == count
@@ -111,7 +87,7 @@ async def test_draining_a_backlog_costs_at_most_a_tenth_of_a_command_per_record(
     finally:
         await client.close()
     assert await broker.wait_for_depth(down, count) == count
-    events = listener.on_outbox()
+    events = listener.naming(OUTBOX)
     names = collections.Counter(e.command_name for e in events)
     # Three batches of 100: find the ids, claim them (one update_many), read them, mark them (one update_many).
     assert names["update"] == 6, names

@@ -15,7 +15,6 @@ from typing import Any
 
 import orjson
 import pytest
-from pymongo import AsyncMongoClient, monitoring
 
 from lily_mongo import (
     CommitOutcomeUnknown,
@@ -29,7 +28,7 @@ from lily_mongo import (
 from lily_mongo.envelope import validate_envelope
 from lily_mongo.testing import Faults
 from tests.integration.test_inbox import behind_a_cutter
-from tests.support import Broker, MongoDB
+from tests.support import Broker, CommandLog, MongoDB, w1_client
 
 OUTBOX = "lily_outbox"
 ORDERS = "orders"
@@ -273,10 +272,7 @@ async def test_every_write_outside_the_transaction_is_majority_and_the_read_back
 ) -> None:
     # A client whose own default is w=1: the outbox still asks for a majority.
     listener = CommandLog()
-    separator = "&" if "?" in mongodb.uri else "?"
-    client: AsyncMongoClient[Any] = AsyncMongoClient(
-        f"{mongodb.uri}{separator}w=1", event_listeners=[listener], serverSelectionTimeoutMS=10_000
-    )
+    client = w1_client(mongodb, listener)
     down = broker.queue("nowhere")  # undeclared: the dispatch fails and records its failure
     try:
         async with Outbox(client, mongodb.name, amqp_url=broker.url, options=OutboxOptions(mark_interval=0)) as outbox:
@@ -287,7 +283,7 @@ async def test_every_write_outside_the_transaction_is_majority_and_the_read_back
                 await outbox.transaction(placing(down, [], order="o2"))
     finally:
         await client.close()
-    on_outbox = [e for e in listener.events if e.command.get(e.command_name) == OUTBOX]
+    on_outbox = listener.naming(OUTBOX)
     outside = [e for e in on_outbox if "txnNumber" not in e.command]
     writes = [e for e in outside if e.command_name in ("insert", "update", "delete", "findAndModify")]
     assert writes, "the failed dispatch wrote its failure"
@@ -300,19 +296,3 @@ async def test_every_write_outside_the_transaction_is_majority_and_the_read_back
     inserts = [e for e in on_outbox if e.command_name == "insert"]
     assert inserts
     assert all("txnNumber" in e.command for e in inserts)
-
-
-class CommandLog(monitoring.CommandListener):
-    """Every command a client sends."""
-
-    def __init__(self) -> None:
-        self.events: list[monitoring.CommandStartedEvent] = []
-
-    def started(self, event: monitoring.CommandStartedEvent) -> None:
-        self.events.append(event)
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass

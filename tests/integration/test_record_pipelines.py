@@ -54,6 +54,13 @@ def records_before() -> dict[str, dict[str, Any] | None]:
     }
 
 
+def claimed(record: dict[str, Any] | None, owner: str, now: datetime.datetime) -> dict[str, Any] | None:
+    """What a lease claim by ``owner`` at ``now`` makes of ``record``, by the Python transition."""
+    return records.claim_transition(
+        record, key="h|e", handler_id="h", event_id="e", owner=owner, now=now, lease_seconds=LEASE, stale_seconds=STALE
+    )
+
+
 @pytest.fixture
 async def collection(mongo_client: AsyncMongoClient[Any], database_name: str) -> Any:
     return mongo_client[database_name]["records"]
@@ -73,9 +80,7 @@ async def test_the_claim_pipeline_is_the_claim_transition(collection: Any, case:
     # The server's clock at the claim: what the update stored as checked_at (or, for a
     # completed record, which the claim leaves alone, any time will do).
     now = after.get("checked_at") or utcnow()
-    expected = records.claim_transition(
-        before, key="h|e", handler_id="h", event_id="e", owner="me:1", now=now, lease_seconds=LEASE, stale_seconds=STALE
-    )
+    expected = claimed(before, "me:1", now)
     assert after == expected
     claim = records.read_claim(after, "me:1")
     assert (
@@ -199,17 +204,7 @@ async def test_counting_is_its_transition(collection: Any, case: str, counter: s
     assert after == expected
     assert records.read_count(after, counter) == records.read_count(before, counter) + 1
     if before is None:  # a counting record: the next claim takes it as a free lease, the count kept
-        claimed = records.claim_transition(
-            after,
-            key="h|e",
-            handler_id="h",
-            event_id="e",
-            owner="me:1",
-            now=now,
-            lease_seconds=LEASE,
-            stale_seconds=STALE,
-        )
-        assert records.read_claim(claimed, "me:1").kind is records.ClaimKind.LEASED
+        assert records.read_claim(claimed(after, "me:1", now), "me:1").kind is records.ClaimKind.LEASED
         assert records.read_first_claim(after) is records.FirstClaim.CONTENDED
 
 
@@ -230,19 +225,4 @@ async def test_a_cancelled_attempts_release_keeps_what_the_record_counts(
     after = await collection.find_one({"_id": "h|e"})
     assert update.matched_count == 1
     assert after == records.released_transition(mine, "me:1", 4, now=after["expires_at"])
-    assert (
-        records.read_claim(
-            records.claim_transition(
-                after,
-                key="h|e",
-                handler_id="h",
-                event_id="e",
-                owner="me:2",
-                now=now,
-                lease_seconds=LEASE,
-                stale_seconds=STALE,
-            ),
-            "me:2",
-        ).kind
-        is records.ClaimKind.LEASED
-    )
+    assert records.read_claim(claimed(after, "me:2", now), "me:2").kind is records.ClaimKind.LEASED

@@ -36,6 +36,13 @@ async def checked(uri: str, *, transactions: bool = True, timeout: float = 1.0) 
     return caught.value
 
 
+async def skip_on_a_cluster(client: AsyncMongoClient[Any], reason: str) -> None:
+    """Skip the test against a replica set or mongos (the failpoints here play a single server's refusals)."""
+    hello = await client.admin.command("hello")
+    if hello.get("setName") or hello.get("msg") == "isdbgrid":
+        pytest.skip(f"a replica set or mongos: {reason}")
+
+
 async def test_a_closed_port_is_unreachable_with_the_reason_within_the_timeout() -> None:
     started = time.monotonic()
     error = await checked("mongodb://app:S3cret@127.0.0.1:1/?serverSelectionTimeoutMS=60000", timeout=1.0)
@@ -62,9 +69,7 @@ async def test_a_replica_set_name_no_server_answers_to_is_named(mongo_uri: str) 
 async def test_a_server_that_refuses_transactions_is_told_apart(
     mongo_uri: str, failpoints: Faults, mongo_client: AsyncMongoClient[Any]
 ) -> None:
-    hello = await mongo_client.admin.command("hello")
-    if hello.get("setName") or hello.get("msg") == "isdbgrid":
-        pytest.skip("a replica set or mongos: transactions are not probed")
+    await skip_on_a_cluster(mongo_client, "transactions are not probed")
     await failpoints.fail(
         ["find"], code=20, times=None, message="Transaction numbers are only allowed on a replica set member or mongos"
     )
@@ -83,9 +88,7 @@ async def test_a_server_that_refuses_transactions_is_told_apart(
 async def test_a_refused_login_is_not_unreachable(
     mongo_uri: str, failpoints: Faults, mongo_client: AsyncMongoClient[Any]
 ) -> None:
-    hello = await mongo_client.admin.command("hello")
-    if hello.get("setName") or hello.get("msg") == "isdbgrid":
-        pytest.skip("a replica set or mongos: no command of the check can be made to fail")
+    await skip_on_a_cluster(mongo_client, "no command of the check can be made to fail")
     # MongoDB refuses a login at the connection's handshake, which no failpoint reaches (and the
     # emulator's refusal carries no code); the check's transaction read answering code 18 plays it.
     await failpoints.fail(["find"], code=18, times=None, message="Authentication failed.")

@@ -193,19 +193,7 @@ def test_only_a_transient_error_of_the_claim_in_the_transaction_falls_back_to_th
 
 def test_a_first_claim_creates_the_record_leased_with_token_1() -> None:
     record = claim(None, A, T0)
-    assert record == {
-        "_id": KEY,
-        "handler": HANDLER,
-        "event_id": EVENT,
-        "state": "leased",
-        "owner": A,
-        "token": 1,
-        "expires_at": at(LEASE),
-        "purge_at": at(LEASE + STALE),
-        "acquisitions": 1,
-        "deferrals": 0,
-        "checked_at": T0,
-    }
+    assert record == leased(A, 1)  # token 1, one acquisition, no deferral: expiring LEASE after T0, purged STALE later
     assert read_claim(record, A) == Claim(ClaimKind.LEASED, token=1)
 
 
