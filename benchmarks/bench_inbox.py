@@ -63,7 +63,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -346,6 +346,58 @@ class HandStats:
         self.replays = 0
 
 
+async def hand_commit(session: Any) -> bool:
+    """True once committed; False if the commit did not apply (or stayed unknown): replay."""
+    for retry in range(COMMIT_RETRIES + 1):
+        try:
+            await session.commit_transaction()
+            return True
+        except PyMongoError as exc:
+            if not exc.has_error_label(UNKNOWN_COMMIT) or retry == COMMIT_RETRIES:
+                break
+    # A replay is safe even if the commit did apply: its inbox insert then meets the key.
+    # The emulator keeps a transaction whose commit failed open on its server session and
+    # commits it with the session's next transaction (docs/emulator.md): never reuse it.
+    mark_dirty = getattr(getattr(session, "_server_session", None), "mark_dirty", None)
+    if callable(mark_dirty):
+        mark_dirty()
+    return False
+
+
+async def hand_record(
+    client: AsyncMongoClient[Any],
+    inbox: Any,
+    key: str,
+    writes: Callable[[Any], Awaitable[None]],
+    replayed: Callable[[], None],
+) -> str:
+    """The hand-written inbox: per message a session and a transaction (snapshot reads, majority
+    commit) inserting the inbox key (DuplicateKeyError: a duplicate), then ``writes(session)``;
+    replayed on TransientTransactionError and on a commit that did not apply, lily's budget."""
+    for attempt in range(REPLAY_BUDGET + 1):
+        if attempt:
+            replayed()
+            await asyncio.sleep(random.uniform(0, min(BACKOFF_MAX, BACKOFF_BASE * 2**attempt)))
+        async with client.start_session(causal_consistency=False) as session:
+            await session.start_transaction(
+                read_concern=ReadConcern("snapshot"), write_concern=WriteConcern("majority")
+            )
+            try:
+                await inbox.insert_one({"_id": key}, session=session)
+                await writes(session)
+            except DuplicateKeyError:
+                await session.abort_transaction()
+                return "duplicate"
+            except PyMongoError as exc:
+                await session.abort_transaction()
+                if exc.has_error_label(TRANSIENT):
+                    continue
+                raise
+            if await hand_commit(session):
+                return "committed"
+    return "deferred"
+
+
 async def child_hand(config: dict[str, Any], commands: CommandLog) -> dict[str, Any]:
     client: AsyncMongoClient[Any] = AsyncMongoClient(
         config["mongo_uri"], event_listeners=[commands], serverSelectionTimeoutMS=10_000
@@ -355,46 +407,14 @@ async def child_hand(config: dict[str, Any], commands: CommandLog) -> dict[str, 
     semaphore = asyncio.Semaphore(config["concurrency"])
     stats = HandStats()
 
-    async def commit(session: Any) -> bool:
-        """True once committed; False if the commit did not apply (or stayed unknown): replay."""
-        for retry in range(COMMIT_RETRIES + 1):
-            try:
-                await session.commit_transaction()
-                return True
-            except PyMongoError as exc:
-                if not exc.has_error_label(UNKNOWN_COMMIT) or retry == COMMIT_RETRIES:
-                    break
-        # A replay is safe even if the commit did apply: its inbox insert then meets the key.
-        # The emulator keeps a transaction whose commit failed open on its server session and
-        # commits it with the session's next transaction (docs/emulator.md): never reuse it.
-        mark_dirty = getattr(getattr(session, "_server_session", None), "mark_dirty", None)
-        if callable(mark_dirty):
-            mark_dirty()
-        return False
+    def replayed() -> None:
+        stats.replays += 1
 
     async def record(key: str, document: dict[str, Any]) -> str:
-        for attempt in range(REPLAY_BUDGET + 1):
-            if attempt:
-                stats.replays += 1
-                await asyncio.sleep(random.uniform(0, min(BACKOFF_MAX, BACKOFF_BASE * 2**attempt)))
-            async with client.start_session(causal_consistency=False) as session:
-                await session.start_transaction(
-                    read_concern=ReadConcern("snapshot"), write_concern=WriteConcern("majority")
-                )
-                try:
-                    await inbox.insert_one({"_id": key}, session=session)
-                    await orders.insert_one(document, session=session)
-                except DuplicateKeyError:
-                    await session.abort_transaction()
-                    return "duplicate"
-                except PyMongoError as exc:
-                    await session.abort_transaction()
-                    if exc.has_error_label(TRANSIENT):
-                        continue
-                    raise
-                if await commit(session):
-                    return "committed"
-        return "deferred"
+        async def writes(session: Any) -> None:
+            await orders.insert_one(document, session=session)
+
+        return await hand_record(client, inbox, key, writes, replayed)
 
     async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
         async with semaphore:

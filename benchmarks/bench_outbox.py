@@ -70,14 +70,12 @@ import aio_pika.abc
 import orjson
 import pydantic
 from pymongo import AsyncMongoClient, monitoring
-from pymongo.errors import DuplicateKeyError, PyMongoError
-from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_inbox import _UUID, EmbeddedServer, cpu_times, read_line
+from bench_inbox import _UUID, EmbeddedServer, cpu_times, hand_record, read_line
 
 from lily_mongo import (
     Consumer,
@@ -101,12 +99,6 @@ OUTBOX = "lily_outbox"
 HAND_INBOX = "bench_hand_inbox"
 HAND_OUTBOX = "bench_hand_outbox"
 HAND_HANDLER = "bench.orders/v1/record_order"
-TRANSIENT = "TransientTransactionError"
-UNKNOWN_COMMIT = "UnknownTransactionCommitResult"
-REPLAY_BUDGET = 5  # lily's defaults (InboxOptions)
-COMMIT_RETRIES = 3
-BACKOFF_BASE = 0.02
-BACKOFF_MAX = 1.0
 POLL = 0.01  # how often a child checks its counts (the same for every contender; 1% of a 1 s run)
 PUBLISH_BATCH = 100
 PIPELINE = ("lily", "plain", "hand")
@@ -281,43 +273,15 @@ async def child_hand(config: dict[str, Any], commands: Commands) -> dict[str, An
     down = config["down"]
     counts = collections.Counter[str]()
 
-    async def commit(session: Any) -> bool:
-        for retry in range(COMMIT_RETRIES + 1):
-            try:
-                await session.commit_transaction()
-                return True
-            except PyMongoError as exc:
-                if not exc.has_error_label(UNKNOWN_COMMIT) or retry == COMMIT_RETRIES:
-                    break
-        mark_dirty = getattr(getattr(session, "_server_session", None), "mark_dirty", None)
-        if callable(mark_dirty):  # never reuse a session whose commit failed (docs/emulator.md)
-            mark_dirty()
-        return False
+    def replayed() -> None:
+        counts["replays"] += 1
 
     async def record(key: str, document: dict[str, Any], message: dict[str, Any]) -> str:
-        for attempt in range(REPLAY_BUDGET + 1):
-            if attempt:
-                counts["replays"] += 1
-                await asyncio.sleep(random.uniform(0, min(BACKOFF_MAX, BACKOFF_BASE * 2**attempt)))
-            async with client.start_session(causal_consistency=False) as session:
-                await session.start_transaction(
-                    read_concern=ReadConcern("snapshot"), write_concern=WriteConcern("majority")
-                )
-                try:
-                    await inbox.insert_one({"_id": key}, session=session)
-                    await orders.insert_one(document, session=session)
-                    await outbox.insert_one(message, session=session)
-                except DuplicateKeyError:
-                    await session.abort_transaction()
-                    return "duplicate"
-                except PyMongoError as exc:
-                    await session.abort_transaction()
-                    if exc.has_error_label(TRANSIENT):
-                        continue
-                    raise
-                if await commit(session):
-                    return "committed"
-        return "deferred"
+        async def writes(session: Any) -> None:
+            await orders.insert_one(document, session=session)
+            await outbox.insert_one(message, session=session)
+
+        return await hand_record(client, inbox, key, writes, replayed)
 
     connection = await aio_pika.connect_robust(config["amqp_url"])
     publishing = await connection.channel(publisher_confirms=True, on_return_raises=True)
