@@ -645,10 +645,11 @@ def demo(
     table.add_row("transient replays", str(result.transient_replays))
     table.add_row("commit reconciliations", str(result.reconciliations))
     table.add_row("orders applied / expected", f"{result.applied_orders} / {result.expected_orders}")
-    table.add_row("orders.confirmed events relayed", str(result.confirmed_events))
+    table.add_row("orders.confirmed events published", str(result.confirmed_events))
     table.add_row("throughput", f"{result.throughput:.1f} messages/s over {result.elapsed:.1f} s")
     table.add_row("ledger check", "[green]PASS[/]" if result.ledger_ok else "[red]FAIL[/]")
     console.print(table)
+    console.print("legend:", markup=False, highlight=False)
     console.print(_demo_legend(result), markup=False, highlight=False)
     for problem in result.ledger_problems:
         console.print(f"[red]ledger:[/] {problem}")
@@ -657,25 +658,36 @@ def demo(
     raise typer.Exit(ExitCode.OK if result.ledger_ok else ExitCode.FAILED)
 
 
-def _demo_legend(result: DemoResult) -> str:
-    """What the demo's counters mean: a few lines under its table."""
+def _demo_legend(result: DemoResult) -> Table:
+    """What the demo's counters mean: a term and its meaning a row, wrapped to the console's width."""
     duplicates = result.published_messages - result.orders - result.poison
-    lines = [
-        f"published: {result.orders} orders once each, {duplicates} duplicate copies (same event id) and "
-        f"{result.poison} poison messages: {result.published_messages} messages",
-        "settled (the progress bar): orders applied + messages dead-lettered; duplicates and retry copies",
-        "  are not counted there",
-        "retried: a flaky payment's first attempt went to a retry bucket; its copy came back and was applied",
-        "deferred: requeued without spending a retry (a concurrent copy held the lease, a replay budget ran out)",
-        f"transient replays: attempts re-run after a transient error ({result.injected_failures} injected) or a "
-        "failed commit",
-    ]
+    replays = f"attempts re-run after a transient error ({result.injected_failures} injected) or a failed commit"
     if result.emulator:
-        lines.append(
-            "  on the embedded emulator most come from its global write conflicts: any write between a\n"
-            "  transaction's first operation and its commit fails that commit (docs/emulator.md)"
+        replays += (
+            "; on the embedded emulator most come from its global write conflicts: any write between a "
+            "transaction's first operation and its commit fails that commit (docs/emulator.md)"
         )
-    return "legend:\n" + "\n".join(f"  {line}" for line in "\n".join(lines).splitlines())
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column()
+    for term, meaning in (
+        (
+            "published:",
+            f"{result.orders} orders once each, {duplicates} duplicate copies (same event id) and "
+            f"{result.poison} poison messages: {result.published_messages} messages",
+        ),
+        (
+            "settled:",
+            "the progress bar: orders applied + messages dead-lettered; duplicates and retry copies are not "
+            "counted there",
+        ),
+        ("retried:", "a flaky payment's first attempt went to a retry bucket; its copy came back and was applied"),
+        ("deferred:", "requeued without spending a retry (a concurrent copy held the lease, a replay budget ran out)"),
+        ("transient replays:", replays),
+        ("published events:", "orders.confirmed events the outbox published (dispatched after commit or relayed)"),
+    ):
+        grid.add_row(term, meaning)
+    return grid
 
 
 # -- dlq ---------------------------------------------------------------------------------------------
