@@ -39,6 +39,7 @@ __all__ = [
     "Failure",
     "ReadBack",
     "claim_filter",
+    "claim_lasts",
     "claim_transition",
     "claim_update",
     "claimed_filter",
@@ -55,7 +56,6 @@ __all__ = [
     "new_record",
     "publish_order",
     "read_back",
-    "status_counts",
 ]
 
 PENDING = "pending"
@@ -145,6 +145,12 @@ def is_free(record: Record, now: datetime.datetime) -> bool:
     """No live claim on ``record`` at server time ``now`` (what ``$expr`` of :func:`due_filter` tests)."""
     expires = _aware(record.get("claim_expires"))
     return expires is None or expires <= now
+
+
+def claim_lasts(record: Record, now: datetime.datetime, seconds: float) -> bool:
+    """``record``'s claim is still live ``seconds`` after ``now``: its holder may publish and mark it in time."""
+    expires = _aware(record.get("claim_expires"))
+    return expires is not None and expires - now >= datetime.timedelta(seconds=seconds)
 
 
 def is_due(record: Record, now: datetime.datetime) -> bool:
@@ -290,12 +296,6 @@ def publish_order(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         return (_aware(record.get("available_at")) or EPOCH, seq if type(seq) is int else -1)
 
     return sorted(records, key=key)
-
-
-def status_counts(rows: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
-    """(pending, failed) from ``$group`` rows ``{"_id": status, "n": count}``."""
-    counts = {str(row.get("_id")): int(row.get("n", 0)) for row in rows}
-    return counts.get(PENDING, 0), counts.get(FAILED, 0)
 
 
 class ReadBack(enum.Enum):

@@ -190,6 +190,7 @@ class OutboxWriter(TypedPublishing):
         "_collection",
         "_is_open",
         "_max_body",
+        "_next_seq",
         "_observer",
         "_session",
         "_writer",
@@ -219,6 +220,7 @@ class OutboxWriter(TypedPublishing):
         self._clock = clock
         self._claim = claim
         self._written_at = protocol.EPOCH
+        self._next_seq = 0  # taken before the insert's await: concurrent publishes get distinct positions
         self.claim: Claim | None = None
         self.records: list[dict[str, Any]] = []
 
@@ -239,7 +241,8 @@ class OutboxWriter(TypedPublishing):
         publication = prepare_publication(
             content, routing_key, payload, version=version, max_body=self._max_body, **options
         )
-        if not self.records:
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        if seq == 0:
             # One time and one claim per transaction: its records sort together, in write order.
             self._written_at = self._clock()
             self.claim = self._claim() if self._claim is not None else None
@@ -253,11 +256,13 @@ class OutboxWriter(TypedPublishing):
             content_type=publication.content_type,
             writer=self._writer,
             written_at=self._written_at,
-            seq=len(self.records),
+            seq=seq,
             claim=self.claim,
         )
         await self._collection.insert_one(record, session=self._session)
         self.records.append(record)
+        if len(self.records) > 1 and self.records[-2]["seq"] > seq:  # concurrent publishes finished out of order
+            self.records.sort(key=lambda r: r["seq"])
         return publication.event_id
 
 
@@ -276,6 +281,9 @@ class _Transport(Protocol):
     @property
     def ready(self) -> bool: ...
 
+    @property
+    def timeout(self) -> float: ...
+
     async def sender(self) -> Send: ...
 
 
@@ -284,15 +292,17 @@ class _ChannelTransport:
 
     def __init__(self, channel: aio_pika.abc.AbstractChannel, timeout: float) -> None:
         self.channel = channel
-        self._timeout = timeout
+        self.timeout = timeout  # for the channel while it reconnects, and for each confirm
 
     @property
     def ready(self) -> bool:
         return not self.channel.is_closed
 
     async def sender(self) -> Send:
-        underlay = await self.channel.get_underlay_channel()
-        send: Send = functools.partial(basic_publish, underlay, timeout=self._timeout)
+        # A robust channel waits for its connection to come back: bounded, so a batch never
+        # waits in memory while its claims run out (the records then go to a relay).
+        underlay = await asyncio.wait_for(self.channel.get_underlay_channel(), self.timeout)
+        send: Send = functools.partial(basic_publish, underlay, timeout=self.timeout)
         return send
 
 
@@ -300,6 +310,7 @@ class _FixedTransport:
     """An in-process send (:class:`lily_mongo.testing.TestConsumer` records what would be published)."""
 
     ready = True
+    timeout = 0.0
 
     def __init__(self, send: Send) -> None:
         self._send = send
@@ -308,8 +319,17 @@ class _FixedTransport:
         return self._send
 
 
+class LeftToRelay(Exception):
+    """A record :func:`publish_batch` did not publish: its claim would not outlast the publish and the mark."""
+
+
 async def publish_batch(
-    records: Sequence[dict[str, Any]], transport: _Transport, observer: Observer, *, via: str
+    records: Sequence[dict[str, Any]],
+    transport: _Transport,
+    observer: Observer,
+    *,
+    via: str,
+    keep: Callable[[dict[str, Any]], bool] | None = None,
 ) -> list[BaseException | None]:
     """Publish ``records`` pipelined on ``transport``: every publish in flight at once, the confirms awaited
     together.
@@ -318,11 +338,26 @@ async def publish_batch(
     suspending first, so the frames go out in ``records`` order (aiormq's lock is FIFO):
     a destination queue receives them in that order. Returns, per record, None once
     confirmed or the exception that refused it (every record's, when the transport had no sender).
+    ``keep``, asked once the sender is there, leaves the records it refuses unpublished
+    (:class:`LeftToRelay`).
     """
     try:
         send = await transport.sender()
     except Exception as exc:
         return [exc] * len(records)
+    left: dict[int, BaseException] = {}
+    if keep is not None:
+        left = {i: LeftToRelay() for i, record in enumerate(records) if not keep(record)}
+        if left:
+            chosen = [record for i, record in enumerate(records) if i not in left]
+            published = iter(await _publish_all(chosen, send, observer, via=via) if chosen else [])
+            return [left[i] if i in left else next(published) for i in range(len(records))]
+    return await _publish_all(records, send, observer, via=via)
+
+
+async def _publish_all(
+    records: Sequence[dict[str, Any]], send: Send, observer: Observer, *, via: str
+) -> list[BaseException | None]:
 
     async def one(record: dict[str, Any]) -> None:
         publish = functools.partial(
@@ -344,6 +379,10 @@ async def publish_batch(
     return [None if result is None else result for result in results]
 
 
+# The dispatcher holds at most this many committed records in memory, and this many bytes of
+# their bodies; past either, a transaction's records wait for a relay instead.
+DISPATCH_QUEUE_LIMIT = 10_000
+DISPATCH_QUEUE_BYTES = 64 * 1024 * 1024
 # At most one warning per destination this often, however many of its records are refused.
 UNROUTABLE_WARNING_INTERVAL = 60.0
 _WARNED_DESTINATIONS = 256  # destinations remembered for rate limiting (least recently refused forgotten)
@@ -367,6 +406,8 @@ class OutboxCounters:
         # (exchange, routing key) -> (monotonic time of its last warning, refusals since)
         self._warned: Lru[tuple[str, str], tuple[float, int]] = Lru(_WARNED_DESTINATIONS)
         self._mark_warned = -_MARK_WARNING_INTERVAL
+        self._left_warned = -_MARK_WARNING_INTERVAL
+        self.left = 0  # records the dispatcher left to a relay
 
     def confirmed(self, record: dict[str, Any]) -> None:
         self._warned.forget((str(record.get("exchange", "")), str(record.get("routing_key", ""))))
@@ -410,6 +451,15 @@ class OutboxCounters:
                 count,
                 exc_info=True,
             )
+
+    def left_to_relay(self, count: int, why: str) -> None:
+        """Records the dispatcher does not publish: they stay claimed until the claim expires, then a relay
+        publishes them. Logged at most once per interval."""
+        self.left += count
+        now = time.monotonic()
+        if now - self._left_warned >= _MARK_WARNING_INTERVAL:
+            self._left_warned = now
+            log.warning("outbox: %d record(s) left to the relay: %s", count, why)
 
     def _warn_unroutable(self, record: dict[str, Any]) -> None:
         """Log a destination nothing routes, at most once per interval (it is usually a missing queue)."""
@@ -498,6 +548,7 @@ class OutboxDispatcher:
         self._clock = clock
         self.token = uuid.uuid4().hex
         self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._queued_bytes = 0
         self._wake = asyncio.Event()
         self._mark_wake = asyncio.Event()
         self._progress = asyncio.Event()
@@ -514,6 +565,11 @@ class OutboxDispatcher:
     def running(self) -> bool:
         return self._running
 
+    @property
+    def counters(self) -> OutboxCounters:
+        """What it did, shared with the process's relay (the snapshot's figures)."""
+        return self._counters
+
     def claim(self) -> Claim | None:
         """The claim a new transaction's records are born with, or None while the dispatcher is not running."""
         if not self._running:
@@ -522,9 +578,21 @@ class OutboxDispatcher:
         return Claim(self._owner, self.token, expires)
 
     def submit(self, records: list[dict[str, Any]]) -> None:
-        """A committed transaction's records (claimed by this dispatcher): publish them now, in order."""
+        """A committed transaction's records (claimed by this dispatcher): publish them now, in order.
+
+        While the broker is away the queue stops growing at :data:`DISPATCH_QUEUE_LIMIT`
+        records or :data:`DISPATCH_QUEUE_BYTES` of bodies: a transaction's records past it
+        stay in MongoDB, claimed until the claim expires, and a relay publishes them.
+        """
         if not self._running or not records:
             return
+        size = sum(len(record["body"]) for record in records)
+        if self._queue and (
+            len(self._queue) + len(records) > DISPATCH_QUEUE_LIMIT or self._queued_bytes + size > DISPATCH_QUEUE_BYTES
+        ):
+            self._counters.left_to_relay(len(records), "the dispatch queue is full (is the broker reachable?)")
+            return
+        self._queued_bytes += size
         committed = utcnow()
         for record in records:
             record["committed_at"] = committed  # in memory only: the relay-lag histogram starts here
@@ -571,6 +639,7 @@ class OutboxDispatcher:
             _, pending = await asyncio.wait(self._tasks, timeout=max(timeout, 0.1))
         self._tasks = []
         self._queue.clear()
+        self._queued_bytes = 0
         return not pending
 
     async def _publish_loop(self, transport: _Transport) -> None:
@@ -582,6 +651,7 @@ class OutboxDispatcher:
                 await self._wake.wait()
                 continue
             batch = [self._queue.popleft() for _ in range(min(batch_size, len(self._queue)))]
+            self._queued_bytes -= sum(len(record["body"]) for record in batch)
             self._publishing = True
             try:
                 await self._dispatch(batch, transport)
@@ -592,19 +662,30 @@ class OutboxDispatcher:
                 self._progress.set()
 
     async def _dispatch(self, batch: list[dict[str, Any]], transport: _Transport) -> None:
-        now = self._clock()
-        # A record whose claim already expired is the relay's now: publishing it too would only duplicate it.
-        live = [r for r in batch if not protocol.is_free(r, now)]
-        if not live:
-            return
-        results = await publish_batch(live, transport, self._observer, via="dispatch")
+        # Publish a record only if its claim outlasts the confirm and the mark: one that runs out
+        # sooner (a long transaction, a wait for the broker) is the relay's, and publishing it
+        # here too could publish it twice. Asked once the channel is there (docs/outbox.md).
+        margin = transport.timeout + self._options.mark_interval
+        clock = self._clock
+
+        def keep(record: dict[str, Any]) -> bool:
+            return protocol.claim_lasts(record, clock(), margin)
+
+        results = await publish_batch(batch, transport, self._observer, via="dispatch", keep=keep)
         counters = self._counters
-        for record, result in zip(live, results, strict=True):
+        left = 0
+        for record, result in zip(batch, results, strict=True):
             if result is None:
                 counters.confirmed(record)
                 self._marks.append(record["_id"])
+            elif isinstance(result, LeftToRelay):
+                left += 1
             else:
                 self._failures.append((record["_id"], counters.failure(record, result)))
+        if left:
+            counters.left_to_relay(left, "their claim would run out before the confirm and the mark")
+        if not self._marks and not self._failures:
+            return
         if self._marks_since is None:
             self._marks_since = time.monotonic()
         self._mark_wake.set()
@@ -709,6 +790,14 @@ class OutboxRelay:
             passive=passive,
             partialFilterExpression={"status": protocol.PENDING},
         )
+        # Parked records, for their count (and an operator's query): a handful, never the published bulk.
+        await ensure_index(
+            self._collection,
+            "lily_outbox_failed",
+            [("status", 1)],
+            passive=passive,
+            partialFilterExpression={"status": protocol.FAILED},
+        )
         await ensure_index(
             self._collection, "lily_expires_at_ttl", [("expires_at", 1)], passive=passive, expireAfterSeconds=0
         )
@@ -761,15 +850,20 @@ class OutboxRelay:
                 # channel reopens it; claim nothing meanwhile.
                 try:
                     batch = await self._claim_batch()
-                except PyMongoError:
+                except Exception:  # the database, or a record it cannot hand over (InvalidBSON)
                     self._warn_claim()
             if not batch:
                 self._wake.clear()
+                if self._stopping:  # stopped while claiming: its wake-up came before the clear
+                    break
                 wait = min(options.poll_interval, max(next_count - time.monotonic(), 0.0))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=max(wait, 0.001))
                 continue
-            await self._relay(batch, transport)
+            try:
+                await self._relay(batch, transport)
+            except Exception:  # a bug, not a record's failure: the batch's claims expire to the next pass
+                log.exception("outbox relay: a batch failed; its records are published again once their claim expires")
 
     async def drain(self, send: Send) -> int:
         """Claim and publish through ``send`` until no record is due; returns how many were published.
@@ -785,16 +879,14 @@ class OutboxRelay:
         return self.counters.published - before
 
     async def refresh_counts(self) -> None:
-        """Count pending and failed records (one aggregate), for the snapshot."""
-        pipeline: list[dict[str, Any]] = [
-            {"$match": {"status": {"$in": [protocol.PENDING, protocol.FAILED]}}},
-            {"$group": {"_id": "$status", "n": {"$sum": 1}}},
-        ]
+        """Count pending and failed records, for the snapshot: two counts, each through its partial index
+        (a count of both statuses at once would not imply either index's filter, and scan the collection)."""
         try:
-            rows = await (await self._collection.aggregate(pipeline)).to_list()
+            pending = await self._collection.count_documents({"status": protocol.PENDING})
+            failed = await self._collection.count_documents({"status": protocol.FAILED})
         except PyMongoError:
             return
-        self.counters.pending, self.counters.failed = protocol.status_counts(rows)
+        self.counters.pending, self.counters.failed = pending, failed
 
     async def _claim_batch(self) -> list[dict[str, Any]]:
         """Claim up to ``batch_size`` due records in three commands; returns them in publishing order."""
@@ -866,6 +958,7 @@ class OutboxRuntime:
         self.majority_reads = self.collection.with_options(read_concern=ReadConcern("majority"))
         self._observer = observer
         self._offset = datetime.timedelta(0)
+        self.clock_read = False
         self.counters = OutboxCounters(options)
         majority = self.collection.with_options(write_concern=WriteConcern("majority"))
         self.dispatcher = OutboxDispatcher(majority, options, owner, self.counters, observer=observer, clock=self.clock)
@@ -880,11 +973,17 @@ class OutboxRuntime:
 
     async def prepare(self, *, indexes: bool = True) -> None:
         """Read the server's clock (``hello``'s ``localTime``) and create (or verify) the indexes."""
+        await self.read_clock()
+        if indexes:
+            await self.relay.prepare(passive=self.options.passive_indexes)
+
+    async def read_clock(self) -> None:
+        """Read the offset of this process's clock to the server's: records carry times from :meth:`clock`,
+        and a relay compares them with its own corrected clock."""
         sent = utcnow()
         hello = await self._client.admin.command("hello")
         self._offset = inbox_records.clock_offset(hello.get("localTime"), sent, utcnow())
-        if indexes:
-            await self.relay.prepare(passive=self.options.passive_indexes)
+        self.clock_read = True
 
     def writer(self, session: AsyncClientSession, writer: str, is_open: Callable[[], bool]) -> OutboxWriter:
         """The outbox of one transaction on ``session``; ``writer`` names it in its records (``handler``)."""
@@ -915,6 +1014,16 @@ class OutboxRuntime:
     ) -> None:
         """Dispatch after commit on a confirming channel of ``connection``; relay unless ``run_relay`` is off."""
         if dispatch:
+            margin = confirm_timeout + self.options.mark_interval
+            if self.options.claim_seconds < 2 * margin:
+                log.warning(
+                    "outbox: OutboxOptions.claim_seconds (%g s) is less than twice the confirm timeout plus the "
+                    "mark interval (%g s): records whose transaction took longer than %g s are left to the relay "
+                    "instead of being published right after the commit",
+                    self.options.claim_seconds,
+                    margin,
+                    max(self.options.claim_seconds - margin, 0.0),
+                )
             self._dispatch_channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             self.dispatcher.start(_ChannelTransport(self._dispatch_channel, confirm_timeout), tasks)
         if self.options.run_relay if relay is None else relay:
@@ -933,7 +1042,7 @@ class OutboxRuntime:
     def ready(self) -> bool:
         """The channels this process publishes on are open."""
         dispatching = self._dispatch_channel is None or not self._dispatch_channel.is_closed
-        return dispatching and (not self._relaying or self.relay.channel_open)
+        return dispatching and (not self._relaying or (self.relay.channel_open and self.relay.running))
 
     async def stop(self, timeout: float) -> bool:
         """Dispatch and mark what was committed, stop the relay after its batch; True if both ended."""
@@ -1100,6 +1209,11 @@ class Outbox(OpenClose):
         re-run to find out). Any other exception from ``fn`` aborts and propagates unchanged.
         """
         self._require_usable()
+        if not self._runtime.clock_read:  # without amqp_url nothing was opened: read it on first use
+            try:
+                await self._runtime.read_clock()
+            except PyMongoError as exc:
+                raise mongo_error(exc, "reading the server's clock") from exc
         retries = self._options.transaction_retries
         replays = 0
         while True:

@@ -9,6 +9,7 @@ holds afterwards: business documents, outbox records, and how often ``fn`` ran.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -89,6 +90,36 @@ async def test_a_transaction_commits_business_data_and_a_free_record_and_returns
     assert records[0]["available_at"] == records[1]["available_at"]  # one transaction, one time
     assert orjson.loads(records[0]["body"]) == {"order_id": "o1"}
     assert records[1]["headers"]["x-lily-content-kind"] == "text"
+
+
+async def test_concurrent_publishes_of_one_transaction_take_distinct_positions_and_one_time(
+    mongodb: MongoDB,
+) -> None:
+    outbox = Outbox(mongodb.client, mongodb.name)
+
+    async def place(tx: OutboxTransaction) -> list[uuid.UUID]:
+        return list(await asyncio.gather(*(tx.publish_json("orders.placed", {"n": n}, version=1) for n in range(3))))
+
+    ids = await outbox.transaction(place)
+    _, records = await state(mongodb)
+    assert sorted(r["seq"] for r in records) == [0, 1, 2]
+    assert {r["event_id"] for r in records} == {str(i) for i in ids}
+    assert len({r["available_at"] for r in records}) == 1  # one transaction, one time
+
+
+async def test_without_amqp_url_the_first_transaction_reads_the_servers_clock_once(mongodb: MongoDB) -> None:
+    # Its records' times are corrected to the server's clock, as a relay's are: read on first use.
+    listener = CommandLog()
+    client = w1_client(mongodb, listener)
+    try:
+        outbox = Outbox(client, mongodb.name)
+        assert not outbox.runtime.clock_read
+        await outbox.transaction(placing("orders.placed", []))
+        await outbox.transaction(placing("orders.placed", [], order="o2"))
+    finally:
+        await client.close()
+    assert [e.command_name for e in listener.events].count("hello") == 1
+    assert outbox.runtime.clock_read
 
 
 async def test_an_exception_in_fn_aborts_everything_and_propagates(mongodb: MongoDB) -> None:

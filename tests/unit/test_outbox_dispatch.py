@@ -11,10 +11,14 @@ import asyncio
 import datetime
 from typing import Any
 
+import pytest
+from bson.errors import InvalidBSON
+
 from lily_mongo import _outbox_protocol as protocol
+from lily_mongo import outbox as outbox_module
 from lily_mongo._tasks import TaskSet
 from lily_mongo.errors import PublishError
-from lily_mongo.outbox import OutboxCounters, OutboxDispatcher, OutboxOptions, _FixedTransport
+from lily_mongo.outbox import OutboxCounters, OutboxDispatcher, OutboxOptions, OutboxRelay, _FixedTransport
 
 
 class Result:
@@ -28,6 +32,9 @@ class Collection:
     def __init__(self) -> None:
         self.marks: list[tuple[dict[str, Any], Any]] = []
         self.failures: list[list[Any]] = []
+
+    def with_options(self, **options: Any) -> Collection:
+        return self
 
     async def update_many(self, filter: dict[str, Any], update: Any) -> Result:
         self.marks.append((filter, update))
@@ -171,6 +178,69 @@ def test_a_record_whose_claim_expired_before_its_dispatch_is_left_to_the_relay()
     asyncio.run(main())
 
 
+class SlowChannel:
+    """A channel transport whose confirms may take ``timeout`` seconds and that becomes ready on ``up``."""
+
+    ready = True
+
+    def __init__(self, send: Any, timeout: float) -> None:
+        self.timeout = timeout
+        self.up = asyncio.Event()
+        self._send = send
+
+    async def sender(self) -> Any:
+        await self.up.wait()
+        return self._send
+
+
+def test_a_claim_that_would_run_out_before_the_confirm_and_the_mark_is_left_to_the_relay() -> None:
+    # claim_seconds 10, confirm timeout 5, mark interval 1: a record needs 6 s of claim left
+    # when its publish starts. The check is made once the channel is back, not before.
+    async def main() -> None:
+        collection, broker, tasks = Collection(), Broker(), TaskSet()
+        broker.release.set()
+        outbox = dispatcher(collection, claim_seconds=10, mark_interval=1)
+        channel = SlowChannel(broker.send, timeout=5)
+        outbox.start(channel, tasks)
+        batch = records(outbox, 3)
+        now = datetime.datetime.now(datetime.UTC)
+        batch[1]["claim_expires"] = now + datetime.timedelta(seconds=5.5)  # less than 6 s left
+        batch[2]["claim_expires"] = now + datetime.timedelta(seconds=7)  # 7 s now, under 6 s after the wait
+        outbox.submit(batch)
+        await asyncio.sleep(1.2)  # the channel reconnects meanwhile
+        channel.up.set()
+        await outbox.drain()
+        assert broker.sent == ["t0"]
+        assert [f["_id"]["$in"] for f, _ in collection.marks] == [["t0"]]
+        assert collection.failures == []  # left to the relay: no attempt counted, the claim simply expires
+        assert outbox.counters.left == 2
+        await outbox.stop(1.0)
+
+    asyncio.run(main())
+
+
+def test_while_the_broker_is_away_the_dispatch_queue_stops_growing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(outbox_module, "DISPATCH_QUEUE_LIMIT", 5)
+
+    async def main() -> None:
+        collection, broker, tasks = Collection(), Broker(), TaskSet()
+        outbox = dispatcher(collection, batch_size=2, claim_seconds=600)
+        outbox.start(_FixedTransport(broker.send), tasks)
+        in_flight = records(outbox, 2, "a")
+        outbox.submit(in_flight)
+        await asyncio.sleep(0.05)  # taken as a batch: waiting for its confirms
+        queued, refused = records(outbox, 3, "b"), records(outbox, 3, "c")
+        outbox.submit(queued)
+        outbox.submit(refused)  # 3 + 3 > 5: this transaction's records wait for a relay
+        assert outbox.counters.left == 3
+        broker.release.set()
+        await outbox.drain()
+        assert broker.sent == ["a0", "a1", "b0", "b1", "b2"]
+        await outbox.stop(1.0)
+
+    asyncio.run(main())
+
+
 def test_a_stopped_dispatcher_claims_nothing_and_takes_nothing() -> None:
     async def main() -> None:
         collection, tasks = Collection(), TaskSet()
@@ -182,5 +252,60 @@ def test_a_stopped_dispatcher_claims_nothing_and_takes_nothing() -> None:
         assert outbox.claim() is None
         outbox.submit([{"_id": "late"}])  # a commit after the stop: left claimed, for a relay
         assert collection.marks == []
+
+    asyncio.run(main())
+
+
+class FlakyRelay(OutboxRelay):
+    """A relay whose first claim meets a record the driver cannot decode; no database behind it."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(Collection(), OutboxOptions(**options), "relay")  # type: ignore[arg-type]
+        self.claims = 0
+
+    async def refresh_counts(self) -> None:
+        pass
+
+    async def _claim_batch(self) -> list[dict[str, Any]]:
+        self.claims += 1
+        if self.claims == 1:
+            raise InvalidBSON("year 0 is out of range")
+        return []
+
+
+def test_the_relay_outlives_a_claim_that_fails_with_something_else_than_a_database_error() -> None:
+    async def main() -> None:
+        relay = FlakyRelay(poll_interval=0.01)
+        task = asyncio.ensure_future(relay.run(_FixedTransport(Broker().send)))
+        await asyncio.sleep(0.1)
+        assert not task.done()
+        assert relay.claims > 1  # it went on polling
+        relay._task = task
+        assert await relay.stop(1.0) is True
+
+    asyncio.run(main())
+
+
+def test_a_relay_stopped_while_claiming_ends_without_waiting_its_poll_interval() -> None:
+    async def main() -> None:
+        relay = FlakyRelay(poll_interval=60)
+        claiming = asyncio.Event()
+        proceed = asyncio.Event()
+
+        async def slow_claim() -> list[dict[str, Any]]:
+            claiming.set()
+            await proceed.wait()
+            return []
+
+        relay._claim_batch = slow_claim  # type: ignore[method-assign]
+        relay._task = asyncio.ensure_future(relay.run(_FixedTransport(Broker().send)))
+        await claiming.wait()
+        stopping = asyncio.ensure_future(relay.stop(30.0))
+        await asyncio.sleep(0)
+        proceed.set()  # the claim finds nothing after the stop's wake-up
+        started = asyncio.get_running_loop().time()
+        assert await stopping is True
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert not relay._task.cancelled()  # it ended on its own, not by the stop's cancellation
 
     asyncio.run(main())
