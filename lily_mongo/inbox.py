@@ -238,6 +238,24 @@ def _in_time(lease: _Lease) -> float:
     return min(lease.wait, max((lease.until - _now()) / 2, 0.001))
 
 
+_MIN_COMMIT_WAIT = 0.05  # a commit retry with less than this to wait for the majority is not worth sending
+
+
+def _share(lease: _Lease, parts: int) -> float:
+    """The bound of one of ``parts`` waits still to come after the handler ran (the commit, its
+    retries, the read that decides): the lease's, and at most an equal share of nine tenths of
+    the time left before the delivery's deadline, so that the last of them still ends before it
+    (an ambiguous commit ends as a deferral, never cut off as a timeout)."""
+    if lease.until is None:
+        return lease.wait
+    return min(lease.wait, max((lease.until - _now()) * 0.9 / parts, 0.001))
+
+
+def _timed_out(exc: PyMongoError) -> bool:
+    """The operation ran out of its bound (ours or the server's ``maxTimeMS``), or found no server in time."""
+    return bool(getattr(exc, "timeout", False)) or wait_expired(exc)
+
+
 class Inbox:
     """Runs inbox handlers under the record protocol; one per started consumer."""
 
@@ -719,14 +737,18 @@ class Inbox:
                     await self._abort(session)
                     raise _Contended
             else:
+                bound = _in_time(lease)
                 try:
-                    done = await self._records.update_one(
-                        records.fence(lease.key, lease.owner, lease.token),
-                        records.completion_update(retention_seconds=self._options.retention_seconds),
-                        session=session,
-                    )
+                    with pymongo.timeout(bound):
+                        done = await self._records.update_one(
+                            records.fence(lease.key, lease.owner, lease.token),
+                            records.completion_update(retention_seconds=self._options.retention_seconds),
+                            session=session,
+                        )
                 except PyMongoError as exc:
                     await self._abort(session)
+                    if _timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
+                        raise _Deferral(self._claim_failed(exc, bound)) from exc
                     raise self._failed(exc, "the completion write") from exc
                 if done.matched_count == 0:
                     await self._abort(session)
@@ -768,13 +790,18 @@ class Inbox:
             now=datetime.datetime.now(datetime.UTC) + self._clock_offset,
             retention_seconds=self._options.retention_seconds,
         )
+        bound = _in_time(lease)
         try:
-            before = await self._records.find_one_and_update(
-                {"_id": lease.key}, update, upsert=True, projection={"state": 1}, session=session
-            )
+            with pymongo.timeout(bound):
+                before = await self._records.find_one_and_update(
+                    {"_id": lease.key}, update, upsert=True, projection={"state": 1}, session=session
+                )
         except DuplicateKeyError:
             return FirstClaim.CONTENDED  # inserted meanwhile by someone else: the lease claim decides
         except PyMongoError as exc:
+            if _timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
+                await self._abort(session)
+                raise _Deferral(self._claim_failed(exc, bound)) from exc
             if records.first_claim_falls_back(error_labels(exc)):
                 await self._abort(session)
                 return FirstClaim.CONTENDED
@@ -792,7 +819,8 @@ class Inbox:
     async def _abort(self, session: AsyncClientSession) -> None:
         if session.in_transaction:
             try:
-                await session.abort_transaction()
+                with pymongo.timeout(self._options.max_wait_seconds):
+                    await session.abort_transaction()
             except PyMongoError:
                 discard_server_session(session)
 
@@ -803,7 +831,7 @@ class Inbox:
         an unknown result, reconciled like a lost reply (docs/inbox.md, "Bounded waits").
         """
         try:
-            with pymongo.timeout(lease.wait):
+            with pymongo.timeout(_share(lease, self._options.commit_retries + 2)):
                 await session.commit_transaction()
             return _SUCCESS
         except PyMongoError as exc:
@@ -818,9 +846,12 @@ class Inbox:
         options = self._options
         for retry in range(options.commit_retries):
             delay = backoff(retry, base=options.backoff_base, cap=options.backoff_max, jitter=random.random())
+            parts = options.commit_retries - retry + 1  # this retry, the ones after it, the read
+            if lease.until is not None and (lease.until - _now() - delay) * 0.9 / parts < _MIN_COMMIT_WAIT:
+                break  # no time left for another commit: the read decides before the deadline
             await asyncio.sleep(delay)
             try:
-                with pymongo.timeout(lease.wait):
+                with pymongo.timeout(_share(lease, parts)):
                     await session.commit_transaction()
                 return _SUCCESS
             except PyMongoError as exc:
@@ -828,7 +859,7 @@ class Inbox:
                     break
         discard_server_session(session)
         try:
-            with pymongo.timeout(lease.wait):
+            with pymongo.timeout(_share(lease, 1)):
                 record = await self._outside.find_one({"_id": lease.key})
         except PyMongoError:
             record = None  # unread: not known to be completed, so the next delivery decides

@@ -83,6 +83,14 @@ def effect_handler(q: str, calls: list[uuid.UUID], *, handler_id: str | None = N
     return handle
 
 
+async def assert_applied_once(mongodb: MongoDB, key: str, event_id: uuid.UUID) -> None:
+    """One effect document for the event, and its record completed."""
+    assert await mongodb.db[EFFECTS].count_documents({"event_id": str(event_id)}) == 1
+    record = await mongodb.db[RECORDS].find_one({"_id": key})
+    assert record is not None
+    assert record["state"] == "completed"
+
+
 async def assert_effect_once(mongodb: MongoDB, event_id: uuid.UUID) -> None:
     db = mongodb.db
     effects = await db[EFFECTS].find({"event_id": str(event_id)}).to_list()
@@ -631,6 +639,88 @@ async def test_a_claim_that_times_out_is_a_counted_deferral_and_spends_no_retry(
     assert record is not None
     assert record["deferrals"] == 1  # the counting record: no lease, no state
     assert (record.get("state"), record.get("owner")) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("claim_in_transaction", "command"),
+    [(True, "findAndModify"), (False, "update")],
+    ids=["the-claim-in-the-transaction", "the-completion-write"],
+)
+async def test_a_wait_in_the_transaction_before_the_handler_is_a_deferral_not_a_timeout(
+    broker: Broker, mongodb: MongoDB, failpoints: Faults, claim_in_transaction: bool, command: str
+) -> None:
+    # The transaction's first write (the first claim, or the lease holder's completion) stalls:
+    # the server holds it for 6 s and the delivery's deadline is 2 s. Bounded like the waits
+    # outside a transaction, it ends as a deferral before the deadline: the handler never ran,
+    # so no application retry is spent, and the redelivered copy applies the event.
+    q, handler_id, event, key = one_event(broker, "stall")
+    calls: list[uuid.UUID] = []
+
+    @queue(q, version=1, content="json", handler_id=handler_id)
+    async def handle(event_id: EventId, mongo: MongoScope) -> None:
+        calls.append(event_id)
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
+
+    consumer = inbox_consumer(
+        broker,
+        mongodb,
+        q,
+        handle,
+        inbox=InboxOptions(claim_in_transaction=claim_in_transaction),
+        deadline=2.0,
+        cooperation_window=0.5,
+        retry=RetryPolicy(max_retries=3, delays=(30.0,)),
+    )
+    async with running(consumer, expect_clean=False) as managed:
+        await failpoints.fail([command], code=112, block_ms=6000, times=1, namespace=f"{mongodb.name}.{RECORDS}")
+        await publish(broker, q, event)
+        await eventually(lambda: len(outcomes(managed)) == 2, timeout=20.0, what="the deferral and the redelivery")
+    observations = managed.delivery_terminal_observations()
+    assert [(o.outcome, o.code) for o in observations] == [("deferred", "MONGO_UNAVAILABLE"), ("acked", None)]
+    assert calls == [event]  # the stalled attempt never ran its handler
+    assert await broker.depth(f"{q}.retry.0") == 0  # no application retry was spent
+    await assert_applied_once(mongodb, key, event)
+
+
+async def test_an_unknown_commit_that_keeps_waiting_ends_ambiguous_before_the_deadline(
+    broker: Broker, mongodb: MongoDB, failpoints: Faults
+) -> None:
+    # The handler takes 0.6 s; then every commit waits 600 ms and answers an unknown result (a
+    # majority that cannot be reached): the commit, its retries and the read that decides share
+    # the time left before the 2 s deadline, so the delivery is deferred COMMIT_AMBIGUOUS (the next copy decides),
+    # not cut off as a timeout (an application retry, while the commit may have applied).
+    q, handler_id, event, key = one_event(broker, "ambiguous")
+    calls: list[uuid.UUID] = []
+
+    @queue(q, version=1, content="json", handler_id=handler_id)
+    async def handle(event_id: EventId, mongo: MongoScope) -> None:
+        calls.append(event_id)
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
+        if len(calls) == 1:
+            await asyncio.sleep(0.6)  # the handler takes its time: less is left for the commits
+
+    consumer = inbox_consumer(
+        broker,
+        mongodb,
+        q,
+        handle,
+        inbox=InboxOptions(backoff_base=0.01, backoff_max=0.05),
+        deadline=2.0,
+        cooperation_window=0.5,
+        retry=RetryPolicy(max_retries=3, delays=(30.0,)),
+    )
+    async with running(consumer, expect_clean=False) as managed:
+        await failpoints.fail(
+            ["commitTransaction"], code=50, labels=["UnknownTransactionCommitResult"], block_ms=600, times=None
+        )
+        await publish(broker, q, event)
+        await eventually(lambda: len(outcomes(managed)) >= 1, timeout=15.0, what="the first settlement")
+        await failpoints.clear()
+        await eventually(lambda: "acked" in outcomes(managed), timeout=15.0, what="the redelivered copy")
+    first = managed.delivery_terminal_observations()[0]
+    assert (first.outcome, first.code) == ("deferred", "COMMIT_AMBIGUOUS")
+    assert await broker.depth(f"{q}.retry.0") == 0
+    await assert_applied_once(mongodb, key, event)
 
 
 @pytest.mark.parametrize("claim_in_transaction", [True, False], ids=["in-transaction", "lease-first"])

@@ -109,14 +109,18 @@ def inbox_module(source: str, name: str) -> types.ModuleType:
 # -- edits of lily_mongo/inbox.py --------------------------------------------------------------------
 
 COMPLETION = """            else:
+                bound = _in_time(lease)
                 try:
-                    done = await self._records.update_one(
-                        records.fence(lease.key, lease.owner, lease.token),
-                        records.completion_update(retention_seconds=self._options.retention_seconds),
-                        session=session,
-                    )
+                    with pymongo.timeout(bound):
+                        done = await self._records.update_one(
+                            records.fence(lease.key, lease.owner, lease.token),
+                            records.completion_update(retention_seconds=self._options.retention_seconds),
+                            session=session,
+                        )
                 except PyMongoError as exc:
                     await self._abort(session)
+                    if _timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
+                        raise _Deferral(self._claim_failed(exc, bound)) from exc
                     raise self._failed(exc, "the completion write") from exc
                 if done.matched_count == 0:
                     await self._abort(session)

@@ -357,7 +357,9 @@ class Server:
         return next((t for t in self.txns if t.state is TxnState.OPEN and key in t.writes), None)
 
     def open_txns(self) -> list[Txn]:
-        return [t for t in self.txns if t.state is TxnState.OPEN]
+        """The transactions the server holds open: started by a first operation that reached it (a
+        transaction whose first command never arrived does not exist on the server)."""
+        return [t for t in self.txns if t.state is TxnState.OPEN and t.started is not None]
 
     # -- operations ------------------------------------------------------------------------------
 

@@ -1627,9 +1627,19 @@ SCENARIOS = [
         id="stale-owner-renews",
     ),
     pytest.param(
-        one_event(),
-        # h1 claims, then its completion write waits (the lease expires); h2 takes the lease over;
-        # h1's fenced completion matches nothing, and its release matches nothing either.
+        one_event(1, lease_seconds=1, max_deferrals=1, replay_budget=0, replication_faults=False),
+        # c0 dies while its completion write, the transaction's first command, is unanswered: that
+        # write is bounded too, times out, and the transaction never existed on the server. The
+        # copy comes back to the restarted process, which claims the expired lease and applies it.
+        [Deliver(0), Drive("h1", 1), Crash(0), Wait(1)],
+        "c0.1/h2(e1#m1) settles success: acked",
+        id="crash-while-the-completion-write-is-unanswered",
+    ),
+    pytest.param(
+        one_event(max_wait=5.0),
+        # h1 claims, then its completion write waits (its bound, 5 s, outlasts the lease); the lease
+        # expires and h2 takes it over; h1's fenced completion matches nothing, and its release
+        # matches nothing either.
         [Deliver(0), Drive("h1", 1), Wait(3), Deliver(1), Drive("h2", 1), Drive("h1", 2)],
         "find_one_and_update(deferral-release) orders.v1|e1 by a stale owner",
         id="stale-owner-completes-then-releases",
