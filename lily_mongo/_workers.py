@@ -51,6 +51,7 @@ __all__ = ["MAX_RESTARTS", "WorkerOptions", "exit_status", "restart_delay", "sup
 say = logging.getLogger(COMMAND_LOGGER)
 
 MAX_RESTARTS = 5
+KILL_AFTER = 10.0  # seconds from a forced shutdown to killing a worker that has not ended
 """Restarts of one worker in a row (deaths without a stable run between them) before the supervisor gives up."""
 STABLE_AFTER = 30.0
 """A worker that ran this many seconds before dying starts a new row of restarts."""
@@ -126,6 +127,7 @@ class Supervisor:
         self._final: dict[int, int] = {}
         self._gave_up: int | None = None
         self._tasks = TaskSet()  # each worker's listener
+        self._killer: asyncio.Future[None] | None = None  # after a forced shutdown
 
     @property
     def stopping(self) -> bool:
@@ -168,6 +170,8 @@ class Supervisor:
                 await self._tasks.join(self._tasks.pending(), 5.0)
         finally:
             uninstall()
+            if self._killer is not None:
+                self._killer.cancel()
             if probes is not None:
                 await probes.stop()
         if self._gave_up is not None:
@@ -188,9 +192,25 @@ class Supervisor:
         self._signal_all()
 
     def force(self) -> None:
-        """Force every worker: a second SIGTERM, at least a second after the first (the same policy)."""
+        """Force every worker: a second SIGTERM, at least a second after the first (the same policy); one
+        that has not ended :data:`KILL_AFTER` seconds later (its event loop blocked) is killed."""
         self._stopping.set()
         self._signal_all()
+        if self._killer is None:
+            self._killer = asyncio.ensure_future(self._kill_after(KILL_AFTER))
+
+    async def _kill_after(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        for worker in self.workers.values():
+            if worker.alive:
+                say.warning(
+                    "worker %d (pid %d) did not end %g s after the forced shutdown: killing it",
+                    worker.index,
+                    worker.process.pid,
+                    seconds,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.kill()
 
     def _signal_all(self) -> None:
         for worker in self.workers.values():
@@ -217,7 +237,7 @@ class Supervisor:
             if time.monotonic() - worker.started >= STABLE_AFTER:
                 failures = 0
             failures += 1
-            if code == _USAGE:
+            if code == _USAGE and not self.options.reload:  # with --reload, a fix is awaited (below)
                 say.error("worker %d (pid %d) exited with status 2 (bad usage): not restarted", index, pid)
                 self._give_up(_USAGE)
                 return

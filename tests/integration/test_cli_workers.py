@@ -28,6 +28,7 @@ SERVICE = """
     import asyncio
     import os
     import pathlib
+    import time
 
     from lily_mongo import Consumer, EventId, Json, RetryPolicy, queue
 
@@ -36,6 +37,8 @@ SERVICE = """
 
     @queue({q!r}, version=1, content="json", guarantee="at_least_once")
     async def handle(payload: Json[dict[str, object]], event_id: EventId) -> None:
+        if payload.get("block"):
+            time.sleep(float(payload["block"]))  # a synchronous call: the worker's event loop stops
         await asyncio.sleep(float(payload.get("sleep", 0.05)))
         with LOG.open("a") as out:
             out.write(f"{{os.getpid()}} {{event_id}}\\n")
@@ -215,3 +218,42 @@ async def test_reload_restarts_the_worker_gracefully_when_a_source_file_changes(
     assert "changed: workersvc.py; restarting the workers gracefully" in stderr
     # The first worker shut down gracefully too (its report), then the second.
     assert stdout.count("shutdown succeeded; unresolved deliveries: 0") == 2, stdout
+
+
+async def test_with_reload_a_worker_that_cannot_load_waits_for_the_fix(broker: Broker, tmp_path: Path) -> None:
+    q = broker.queue("reload-broken")
+    async with supervised(broker, tmp_path, q, "--reload") as service:
+        await consumers(broker, q, 1, service)
+        await asyncio.sleep(0.5)  # the watcher is up
+        source = tmp_path / "workersvc.py"
+        good = source.read_text()
+        source.write_text(good + "\noops(\n")  # a syntax error: the restarted worker exits 2
+        await eventually(
+            lambda: any("restarts at the next change" in line for line in service.stderr),
+            timeout=30,
+            what="the broken worker waiting",
+        )
+        assert service.process.returncode is None  # the supervisor did not give up
+        source.write_text(good + "\n# fixed\n")
+        await eventually(lambda: len(service.started()[1]) == 3, timeout=30, what="the worker started again")
+        await consumers(broker, q, 1, service)
+        event = await broker.publish(q, {"n": 1})
+        await eventually(lambda: str(event) in service.handled(), timeout=20, what="the event", interval=0.1)
+        code, stdout, stderr = await stop(service)
+    assert code == 0, stderr + stdout
+
+
+async def test_a_forced_shutdown_kills_a_worker_whose_event_loop_is_blocked(broker: Broker, tmp_path: Path) -> None:
+    q = broker.queue("blocked")
+    async with supervised(broker, tmp_path, q, "--workers", "2") as service:
+        await consumers(broker, q, 2, service)
+        await broker.publish(q, {"block": 120})
+        await asyncio.sleep(1.0)  # a worker took it and its event loop stopped
+        service.process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(1.5)
+        service.process.send_signal(signal.SIGTERM)  # forces; the blocked worker cannot act on it
+        code = await asyncio.wait_for(service.process.wait(), 30)
+        await asyncio.sleep(0.1)  # the reader's last lines
+        stderr = "".join(service.stderr)
+    assert code != 0, stderr
+    assert re.search(r"worker \d \(pid \d+\) did not end 10 s after the forced shutdown: killing it", stderr), stderr
