@@ -165,9 +165,10 @@ def due_filter(now: datetime.datetime) -> dict[str, Any]:
     return {"status": PENDING, "available_at": {"$lte": now}, "$expr": _FREE_EXPR}
 
 
-def claim_filter(ids: Sequence[str]) -> dict[str, Any]:
-    """The batch claim's filter: those of ``ids`` still pending and free (another relay may have taken some)."""
-    return {"_id": {"$in": list(ids)}, "status": PENDING, "$expr": _FREE_EXPR}
+def claim_filter(ids: Sequence[str], now: datetime.datetime) -> dict[str, Any]:
+    """The batch claim's filter: those of ``ids`` still due at ``now``: pending, available and free (another
+    relay may have taken some, or taken one, been refused and released it with a backoff)."""
+    return {"_id": {"$in": list(ids)}, "status": PENDING, "available_at": {"$lte": now}, "$expr": _FREE_EXPR}
 
 
 def claim_update(owner: str, token: str, *, claim_seconds: float) -> list[dict[str, Any]]:
@@ -187,7 +188,7 @@ def claim_transition(
     record: Record, *, owner: str, token: str, now: datetime.datetime, claim_seconds: float
 ) -> dict[str, Any] | None:
     """The record after :func:`claim_update`, or None when :func:`claim_filter` does not match it."""
-    if record.get("status") != PENDING or not is_free(record, now):
+    if not is_due(record, now):
         return None
     doc = dict(record)
     doc["claim_owner"], doc["claim_token"] = owner, token

@@ -903,7 +903,7 @@ class OutboxRelay:
             return []
         token = uuid.uuid4().hex
         claimed = await self._majority.update_many(
-            protocol.claim_filter(ids),
+            protocol.claim_filter(ids, self._clock()),
             protocol.claim_update(self._owner, token, claim_seconds=self._options.claim_seconds),
         )
         if not claimed.matched_count:

@@ -88,10 +88,12 @@ async def test_the_due_filter_finds_exactly_what_is_due_says(mongodb: MongoDB) -
 
 async def test_the_claim_and_its_transition_agree(mongodb: MongoDB) -> None:
     outbox = mongodb.db["outbox"]
-    records = states("free", "expired", "live", "published")
+    records = states("free", "expired", "live", "later", "published")
     await outbox.insert_many(records)
     ids = [r["_id"] for r in records]
-    result = await outbox.update_many(protocol.claim_filter(ids), protocol.claim_update("relay", "T", claim_seconds=30))
+    result = await outbox.update_many(
+        protocol.claim_filter(ids, now()), protocol.claim_update("relay", "T", claim_seconds=30)
+    )
     assert result.matched_count == 2
     after = {doc["_id"]: aware(doc) for doc in await outbox.find(protocol.claimed_filter(ids, "T")).to_list()}
     expected = {
