@@ -75,7 +75,18 @@ from pymongo.write_concern import WriteConcern
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_inbox import _UUID, EmbeddedServer, cpu_times, hand_record, read_line
+from bench_inbox import (
+    _UUID,
+    BUSINESS,
+    DEFAULT_AMQP_URL,
+    EVENT_ID_HEADER,
+    HAND_HANDLER,
+    HAND_INBOX,
+    EmbeddedServer,
+    cpu_times,
+    hand_record,
+    read_line,
+)
 
 from lily_mongo import (
     Consumer,
@@ -92,13 +103,8 @@ from lily_mongo._outbox_protocol import new_record
 from lily_mongo.publisher import JSON, prepare_publication
 
 SCRIPT = Path(__file__).resolve()
-DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
-EVENT_ID_HEADER = "x-lily-event-id"  # docs/contracts.md
-BUSINESS = "bench_orders"
 OUTBOX = "lily_outbox"
-HAND_INBOX = "bench_hand_inbox"
-HAND_OUTBOX = "bench_hand_outbox"
-HAND_HANDLER = "bench.orders/v1/record_order"
+HAND_OUTBOX = "bench_hand_outbox"  # the hand-written peer's; its inbox and business names are bench_inbox's
 POLL = 0.01  # how often a child checks its counts (the same for every contender; 1% of a 1 s run)
 PUBLISH_BATCH = 100
 PIPELINE = ("lily", "plain", "hand")
