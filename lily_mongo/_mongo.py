@@ -47,6 +47,7 @@ __all__ = [
     "mongo_errors",
     "mongo_failure",
     "open_mongo",
+    "timed_out",
     "transaction_lifetime",
     "wait_expired",
     "write_unconfirmed",
@@ -68,6 +69,12 @@ def wait_expired(exc: PyMongoError) -> bool:
     ran out is a :func:`write_unconfirmed` instead.
     """
     return isinstance(exc, ExecutionTimeout)
+
+
+def timed_out(exc: PyMongoError) -> bool:
+    """The operation ran out of its bound: the server's ``maxTimeMS`` (:func:`wait_expired`), or the
+    client's own operation timeout while it selected a server, connected or waited for the reply."""
+    return bool(getattr(exc, "timeout", False)) or wait_expired(exc)
 
 
 def write_unconfirmed(exc: PyMongoError) -> bool:

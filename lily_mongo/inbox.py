@@ -76,6 +76,7 @@ from ._mongo import (
     discard_server_session,
     ensure_index,
     error_labels,
+    timed_out,
     transaction_lifetime,
     wait_expired,
     write_unconfirmed,
@@ -249,11 +250,6 @@ def _share(lease: _Lease, parts: int) -> float:
     if lease.until is None:
         return lease.wait
     return min(lease.wait, max((lease.until - _now()) * 0.9 / parts, 0.001))
-
-
-def _timed_out(exc: PyMongoError) -> bool:
-    """The operation ran out of its bound (ours or the server's ``maxTimeMS``), or found no server in time."""
-    return bool(getattr(exc, "timeout", False)) or wait_expired(exc)
 
 
 class Inbox:
@@ -747,7 +743,7 @@ class Inbox:
                         )
                 except PyMongoError as exc:
                     await self._abort(session)
-                    if _timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
+                    if timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
                         raise _Deferral(self._claim_failed(exc, bound)) from exc
                     raise self._failed(exc, "the completion write") from exc
                 if done.matched_count == 0:
@@ -799,7 +795,7 @@ class Inbox:
         except DuplicateKeyError:
             return FirstClaim.CONTENDED  # inserted meanwhile by someone else: the lease claim decides
         except PyMongoError as exc:
-            if _timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
+            if timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
                 await self._abort(session)
                 raise _Deferral(self._claim_failed(exc, bound)) from exc
             if records.first_claim_falls_back(error_labels(exc)):

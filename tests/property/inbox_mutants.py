@@ -119,7 +119,7 @@ COMPLETION = """            else:
                         )
                 except PyMongoError as exc:
                     await self._abort(session)
-                    if _timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
+                    if timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
                         raise _Deferral(self._claim_failed(exc, bound)) from exc
                     raise self._failed(exc, "the completion write") from exc
                 if done.matched_count == 0:

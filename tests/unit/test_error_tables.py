@@ -26,7 +26,7 @@ from pamqp import commands as spec
 from lily_mongo._amqp import AMQP_ERRORS, amqp_failure, channel_errors, map_amqp_errors
 from lily_mongo._amqp.connections import connection_error
 from lily_mongo._amqp.publishing import publish_error
-from lily_mongo._mongo import MONGO_ERRORS, mongo_error, mongo_errors
+from lily_mongo._mongo import MONGO_ERRORS, mongo_error, mongo_errors, timed_out
 from lily_mongo.errors import ConfigError, LilyError, PublishError, TransportError
 
 URL = "amqp://app:s3cret@broker.example:5672/orders"
@@ -310,3 +310,21 @@ def test_a_mapped_pymongo_error_keeps_its_cause() -> None:
         raise original
     assert caught.value.__cause__ is original
     assert caught.value.unreachable
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (pymongo.errors.NetworkTimeout("timed out"), True),  # no reply within the operation timeout
+        (pymongo.errors.ServerSelectionTimeoutError("no primary"), True),  # no server within it
+        (pymongo.errors.ExecutionTimeout("operation exceeded time limit", 50), True),  # the server's maxTimeMS
+        (pymongo.errors.AutoReconnect("connection closed"), False),  # a lost connection, not a wait
+        (pymongo.errors.OperationFailure("write conflict", 112), False),
+        (pymongo.errors.DuplicateKeyError("E11000", 11000), False),
+    ],
+    ids=["network-timeout", "server-selection", "max-time-ms", "reconnect", "write-conflict", "duplicate-key"],
+)
+def test_a_wait_that_ran_out_is_told_apart_from_other_failures(
+    exc: pymongo.errors.PyMongoError, expected: bool
+) -> None:
+    assert timed_out(exc) is expected
