@@ -641,6 +641,38 @@ async def test_a_claim_that_times_out_is_a_counted_deferral_and_spends_no_retry(
     assert (record.get("state"), record.get("owner")) == (None, None)
 
 
+def short_deadline_consumer(
+    broker: Broker,
+    mongodb: MongoDB,
+    q: str,
+    handler_id: str,
+    calls: list[uuid.UUID],
+    *,
+    inbox: InboxOptions,
+    first_run: float = 0.0,
+) -> Consumer:
+    """A 2 s delivery deadline and one slow retry bucket; the handler writes one effect, records each run
+    in ``calls``, and its first run lasts ``first_run`` seconds longer."""
+
+    @queue(q, version=1, content="json", handler_id=handler_id)
+    async def handle(event_id: EventId, mongo: MongoScope) -> None:
+        calls.append(event_id)
+        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
+        if len(calls) == 1:
+            await asyncio.sleep(first_run)
+
+    return inbox_consumer(
+        broker,
+        mongodb,
+        q,
+        handle,
+        inbox=inbox,
+        deadline=2.0,
+        cooperation_window=0.5,
+        retry=RetryPolicy(max_retries=3, delays=(30.0,)),
+    )
+
+
 @pytest.mark.parametrize(
     ("claim_in_transaction", "command"),
     [(True, "findAndModify"), (False, "update")],
@@ -655,21 +687,8 @@ async def test_a_wait_in_the_transaction_before_the_handler_is_a_deferral_not_a_
     # so no application retry is spent, and the redelivered copy applies the event.
     q, handler_id, event, key = one_event(broker, "stall")
     calls: list[uuid.UUID] = []
-
-    @queue(q, version=1, content="json", handler_id=handler_id)
-    async def handle(event_id: EventId, mongo: MongoScope) -> None:
-        calls.append(event_id)
-        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
-
-    consumer = inbox_consumer(
-        broker,
-        mongodb,
-        q,
-        handle,
-        inbox=InboxOptions(claim_in_transaction=claim_in_transaction),
-        deadline=2.0,
-        cooperation_window=0.5,
-        retry=RetryPolicy(max_retries=3, delays=(30.0,)),
+    consumer = short_deadline_consumer(
+        broker, mongodb, q, handler_id, calls, inbox=InboxOptions(claim_in_transaction=claim_in_transaction)
     )
     async with running(consumer, expect_clean=False) as managed:
         await failpoints.fail([command], code=112, block_ms=6000, times=1, namespace=f"{mongodb.name}.{RECORDS}")
@@ -691,23 +710,9 @@ async def test_an_unknown_commit_that_keeps_waiting_ends_ambiguous_before_the_de
     # not cut off as a timeout (an application retry, while the commit may have applied).
     q, handler_id, event, key = one_event(broker, "ambiguous")
     calls: list[uuid.UUID] = []
-
-    @queue(q, version=1, content="json", handler_id=handler_id)
-    async def handle(event_id: EventId, mongo: MongoScope) -> None:
-        calls.append(event_id)
-        await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
-        if len(calls) == 1:
-            await asyncio.sleep(0.6)  # the handler takes its time: less is left for the commits
-
-    consumer = inbox_consumer(
-        broker,
-        mongodb,
-        q,
-        handle,
-        inbox=InboxOptions(backoff_base=0.01, backoff_max=0.05),
-        deadline=2.0,
-        cooperation_window=0.5,
-        retry=RetryPolicy(max_retries=3, delays=(30.0,)),
+    # The handler's first run takes its time: less is left for the commits.
+    consumer = short_deadline_consumer(
+        broker, mongodb, q, handler_id, calls, inbox=InboxOptions(backoff_base=0.01, backoff_max=0.05), first_run=0.6
     )
     async with running(consumer, expect_clean=False) as managed:
         await failpoints.fail(
