@@ -42,7 +42,7 @@ import aio_pika
 
 from benchmarks import bench_peers as peers
 from lily_mongo._amqp import patches
-from lily_mongo.topology import declare_topology, topology_names
+from lily_mongo._topology import declare_topology, topology_names
 
 SCRIPT = Path(__file__).resolve()
 VARIANTS = ("fast", "stock", "receiver", "queue")
@@ -51,7 +51,7 @@ VARIANT_ENV = "LILY_BENCH_FRAME_VARIANT"
 
 def apply(variant: str) -> None:
     """Set the child's patches to ``variant`` before it connects."""
-    import lily_mongo.runtime as runtime
+    import lily_mongo._engine.engine as runtime
 
     if variant in ("stock", "queue"):
         real = patches.installed_version

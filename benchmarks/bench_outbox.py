@@ -99,7 +99,7 @@ from lily_mongo import (
     RetryPolicy,
     queue,
 )
-from lily_mongo._outbox_protocol import new_record
+from lily_mongo._outbox.protocol import new_record
 from lily_mongo.publisher import JSON, prepare_publication
 
 SCRIPT = Path(__file__).resolve()

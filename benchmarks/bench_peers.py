@@ -92,9 +92,9 @@ from pamqp.commands import Basic
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lily_mongo import Consumer, Json, QueueOptions, RetryPolicy, queue
+from lily_mongo._topology import declare_topology, topology_names
 from lily_mongo.bounds import BOUNDS
 from lily_mongo.publisher import JSON, prepare_publication
-from lily_mongo.topology import declare_topology, topology_names
 
 SCRIPT = Path(__file__).resolve()
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"

@@ -51,10 +51,10 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanKind
 
 from lily_mongo import Consumer, Json, RetryPolicy, queue
+from lily_mongo._engine.engine import Runtime
 from lily_mongo._observer import NO_OBSERVER
 from lily_mongo._tasks import TaskSet
 from lily_mongo.publisher import JSON, prepare_publication
-from lily_mongo.runtime import Runtime
 from lily_mongo.telemetry import DURATION_BUCKETS, Telemetry
 
 QUEUE = "bench.telemetry"

@@ -57,9 +57,9 @@ import pydantic
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lily_mongo import Consumer, Json, QueueOptions, RetryPolicy, queue
+from lily_mongo._topology import declare_topology, topology_names
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.telemetry import Telemetry
-from lily_mongo.topology import declare_topology, topology_names
 
 TARGET_RATIO = 0.8
 TELEMETRY_TARGET = 0.85  # telemetry on may cost at most 15 % of the throughput with it off

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_throughput import DEFAULT_URL, fill, ready
 from lily_mongo import QueueOptions, RetryPolicy
-from lily_mongo.topology import declare_topology, topology_names
+from lily_mongo._topology import declare_topology, topology_names
 
 TARGET = """
     import atexit, json, os, time
@@ -96,7 +96,7 @@ class Run:
 
 def command(workers: int) -> list[str]:
     script = shutil.which("lily-mongo", path=os.path.dirname(sys.executable))
-    base = [script] if script else [sys.executable, "-c", "from lily_mongo.cli import main; main()"]
+    base = [script] if script else [sys.executable, "-c", "from lily_mongo._cli.app import main; main()"]
     return [*base, "run", "benchtarget:consumer", "--workers", str(workers), "--log-level", "warning"]
 
 

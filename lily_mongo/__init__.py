@@ -5,7 +5,7 @@ The public surface (docs/design.md, section 2); implementation modules may chang
 
 from __future__ import annotations
 
-from .errors import (
+from ._errors import (
     CommitOutcomeUnknown,
     ConfigError,
     EnvelopeError,
@@ -17,7 +17,11 @@ from .errors import (
     ScopeClosedError,
     TransportError,
 )
-from .extractors import (
+from ._inbox.inbox import InboxOptions, MongoScope
+from ._lifecycle.lifecycle import Consumer, ManagedConsumer, ShutdownAction, ShutdownReport
+from ._outbox.outbox import Outbox, OutboxOptions, OutboxTransaction
+from ._outbox.service import Relay
+from ._plan.extractors import (
     Bytes,
     Depends,
     EventId,
@@ -30,13 +34,9 @@ from .extractors import (
     RetryCount,
     Text,
 )
-from .inbox import InboxOptions, MongoScope
-from .lifecycle import Consumer, ManagedConsumer, ShutdownAction, ShutdownReport
-from .observe import QueueSnapshot, Snapshot, TerminalObservation
-from .outbox import Outbox, OutboxOptions, OutboxTransaction
-from .plan import DeliveryContext, QueueOptions, RetryPolicy, queue
+from ._plan.plan import DeliveryContext, QueueOptions, RetryPolicy, queue
+from ._snapshots import QueueSnapshot, Snapshot, TerminalObservation
 from .publisher import CustomPublishContent, Publisher
-from .relay import Relay
 
 __all__ = [
     "Bytes",

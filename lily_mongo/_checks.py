@@ -14,10 +14,10 @@ from typing import Any
 
 from yarl import URL
 
+from ._errors import ConfigError
 from ._redact import redact_url
 from ._text import describe_value
 from .bounds import utf8_len
-from .errors import ConfigError
 
 __all__ = ["check_amqp_url", "check_bool", "check_callable", "check_database_name", "check_int", "check_seconds"]
 

@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .observe import Snapshot
-    from .settlement import Execution, PipelineResult
+    from ._engine.settlement import Execution, PipelineResult
+    from ._snapshots import Snapshot
 
 __all__ = ["NO_DELIVERY", "NO_OBSERVER", "DeliveryObserver", "Observer", "Send", "SnapshotSource"]
 

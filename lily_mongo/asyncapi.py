@@ -17,6 +17,9 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
+from ._plan.extractors import Bytes, Extractor, Json, Text
+from ._plan.outgoing import OutgoingMessage
+from ._plan.plan import Plan
 from .bounds import (
     BOUNDS,
     DEATH_HEADER,
@@ -37,9 +40,6 @@ from .envelope import (
     TRACEPARENT_HEADER,
     TRACESTATE_HEADER,
 )
-from .extractors import Bytes, Extractor, Json, Text
-from .outgoing import OutgoingMessage
-from .plan import Plan
 
 __all__ = ["asyncapi_document"]
 

@@ -15,10 +15,10 @@ import orjson
 import pydantic
 
 from ._checks import check_callable
+from ._errors import ConfigError
 from ._text import describe_value
 from .bounds import utf8_len
 from .envelope import check_content_kind
-from .errors import ConfigError
 
 __all__ = ["BINARY", "BUILTIN_CONTENT", "JSON", "TEXT", "CustomPublishContent", "encode_json"]
 

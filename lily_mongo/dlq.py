@@ -39,6 +39,8 @@ from yarl import URL
 
 from ._amqp import InboundMessage, channel_errors, connect_amqp, publish_properties
 from ._checks import check_int, check_seconds
+from ._errors import ConfigError, TransportError
+from ._plan.plan import QueueOptions
 from ._text import describe_value, sanitize
 from .bounds import (
     BROKER_COUNT_HEADERS,
@@ -51,8 +53,6 @@ from .bounds import (
     RETRY_COUNT_HEADER,
 )
 from .envelope import EVENT_ID_HEADER
-from .errors import ConfigError, TransportError
-from .plan import QueueOptions
 
 __all__ = [
     "BROKER_DEATH_HEADERS",

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ._errors import EnvelopeError, ErrorCode
 from ._fast import canonical_uuid, slot_constructor
 from ._text import describe_key, describe_value
 from .bounds import (
@@ -27,7 +28,6 @@ from .bounds import (
     RETRY_COUNT_HEADER,
     utf8_len,
 )
-from .errors import EnvelopeError, ErrorCode
 
 __all__ = [
     "CONTENT_KIND_HEADER",

@@ -20,7 +20,9 @@ import aio_pika.abc
 
 from ._amqp import basic_publish, connect_amqp
 from ._checks import check_amqp_url, check_seconds
+from ._errors import ConfigError, EnvelopeError, LilyError
 from ._observer import NO_OBSERVER, Observer
+from ._plan.plan import check_name
 from ._text import describe_value
 from .bounds import BOUNDS
 from .content import BINARY, JSON, TEXT, CustomPublishContent, encode_json
@@ -34,8 +36,6 @@ from .envelope import (
     is_canonical_uuid,
     validate_envelope,
 )
-from .errors import ConfigError, EnvelopeError, LilyError
-from .plan import check_name
 from .telemetry import Telemetry, resolve_telemetry
 
 __all__ = [

@@ -41,7 +41,7 @@ from lily_mongo import (
     TerminalObservation,
     queue,
 )
-from lily_mongo.plan import Guard, Middleware
+from lily_mongo._plan.plan import Guard, Middleware
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 T = TypeVar("T")
@@ -662,7 +662,7 @@ def logging_restored() -> Iterator[None]:
     leave a handler writing to the runner's closed stream for every later test.
     """
     root = logging.getLogger()
-    loggers = [root, *(logging.getLogger(name) for name in ("lily_mongo", "lily_mongo.cli", "aiormq", "aio_pika"))]
+    loggers = [root, *(logging.getLogger(name) for name in ("lily_mongo", "lily_mongo._cli.app", "aiormq", "aio_pika"))]
     saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
     try:
         yield

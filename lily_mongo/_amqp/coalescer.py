@@ -13,7 +13,7 @@ from typing import Any
 import aiormq.abc
 import aiormq.exceptions
 
-from .._acks import TagState, plan_flush
+from .acks import TagState, plan_flush
 
 __all__ = ["AckCoalescer", "Spawn"]
 

@@ -14,9 +14,9 @@ import aiormq.exceptions
 from aio_pika.connection import make_url
 from yarl import URL
 
+from .._errors import TransportError
 from .._redact import redact_url
 from .._tasks import uncancellable
-from ..errors import TransportError
 from . import patches
 from .errors import AmqpFailure, amqp_failure
 from .lenient import LenientFrameReader

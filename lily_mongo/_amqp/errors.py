@@ -23,7 +23,7 @@ from types import MappingProxyType
 
 import aiormq.exceptions
 
-from ..errors import ConfigError, LilyError, TransportError
+from .._errors import ConfigError, LilyError, TransportError
 
 __all__ = ["AMQP_ERRORS", "AmqpFailure", "amqp_failure", "channel_error", "channel_errors", "map_amqp_errors"]
 

@@ -22,8 +22,8 @@ import aiormq.abc
 from pamqp import commands as spec
 from pamqp import common, encode
 
+from .._errors import PublishError
 from ..bounds import RETRY_COUNT_HEADER
-from ..errors import PublishError
 from .errors import AmqpFailure, map_amqp_errors
 
 if TYPE_CHECKING:

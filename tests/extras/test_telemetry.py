@@ -21,12 +21,12 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lily_mongo import ConfigError, PublishError
-from lily_mongo._http import ProbeServer
+from lily_mongo._cli.probes import ProbeServer
+from lily_mongo._engine.settlement import Execution, Outcome, PipelineResult
+from lily_mongo._snapshots import QueueSnapshot, Snapshot
 from lily_mongo.bounds import BOUNDS
 from lily_mongo.envelope import validate_envelope
-from lily_mongo.observe import QueueSnapshot, Snapshot
 from lily_mongo.publisher import JSON, prepare_publication
-from lily_mongo.settlement import Execution, Outcome, PipelineResult
 from lily_mongo.telemetry import Telemetry, resolve_telemetry
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -47,7 +47,7 @@ from lily_mongo import (
     RetryPolicy,
     queue,
 )
-from lily_mongo.cli import app as cli_app
+from lily_mongo._cli.app import app as cli_app
 from lily_mongo.testing import Faults
 from tests.support import (
     Broker,
@@ -77,7 +77,7 @@ def cli_argv(*args: str) -> list[str]:
     script = shutil.which("lily-mongo", path=os.path.dirname(sys.executable))
     if script is not None:
         return [script, *args]
-    return [sys.executable, "-c", "from lily_mongo.cli import main; main()", *args]
+    return [sys.executable, "-c", "from lily_mongo._cli.app import main; main()", *args]
 
 
 def cli_env(amqp_url: str, mongo_uri: str) -> dict[str, str]:

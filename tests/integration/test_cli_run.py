@@ -24,7 +24,7 @@ from pathlib import Path
 import aio_pika
 import pytest
 
-from lily_mongo.records import COMPLETED
+from lily_mongo._inbox.protocol import COMPLETED
 from tests.integration.test_cli import (
     cli_env,
     cli_process,

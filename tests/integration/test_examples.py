@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pymongo import AsyncMongoClient
 
-from lily_mongo import demo
+from lily_mongo._cli import demo
 from lily_mongo.testing import Faults, TestConsumer, check_idempotent
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -1,6 +1,6 @@
 """Each MongoDB filter and update of the outbox record protocol against its Python transition, on a real server.
 
-``lily_mongo._outbox_protocol`` writes every step twice: the query the relay and the
+``lily_mongo._outbox.protocol`` writes every step twice: the query the relay and the
 dispatcher send, and the transition the protocol model (tests/property/test_outbox_model.py)
 runs. Here both run on the same records and must agree (times set by ``$$NOW`` within a
 second of the test's clock).
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from pymongo.results import UpdateResult
 
-from lily_mongo import _outbox_protocol as protocol
+from lily_mongo._outbox import protocol
 from tests.support import MongoDB
 
 SECOND = datetime.timedelta(seconds=1)

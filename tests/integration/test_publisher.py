@@ -8,7 +8,7 @@ import aio_pika.abc
 import pytest
 
 from lily_mongo import Bytes, Consumer, Publisher, TransportError, queue
-from lily_mongo.errors import PublishError
+from lily_mongo._errors import PublishError
 from tests.support import BrokerNames, drain
 
 

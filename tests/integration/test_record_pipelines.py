@@ -1,6 +1,6 @@
 """Each update the inbox sends computes, on a real server, what its Python transition says.
 
-:mod:`lily_mongo.records` writes every step twice: the MongoDB update (on the
+:mod:`lily_mongo._inbox.protocol` writes every step twice: the MongoDB update (on the
 server clock) and the same transition in Python, which the protocol model runs.
 These tests hold the two equal, record state by record state.
 """
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient, ReturnDocument
 
-from lily_mongo import records
+from lily_mongo._inbox import protocol as records
 
 LEASE, STALE, RETENTION = 30.0, 3600.0, 7200.0
 HOUR = datetime.timedelta(hours=1)

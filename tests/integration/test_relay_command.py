@@ -17,7 +17,7 @@ import orjson
 from typer.testing import CliRunner
 
 from lily_mongo import Outbox, OutboxTransaction
-from lily_mongo.cli import app as cli_app
+from lily_mongo._cli.app import app as cli_app
 from lily_mongo.envelope import validate_envelope
 from tests.integration.test_cli import cli_env, cli_process, finish, one_error_line, run_cli
 from tests.integration.test_cli_http import free_port, get

@@ -42,7 +42,7 @@ from lily_mongo import (
     Text,
     queue,
 )
-from lily_mongo.topology import declare_topology
+from lily_mongo._topology import declare_topology
 from tests.support import (
     Broker,
     eventually,

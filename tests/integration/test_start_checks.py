@@ -18,8 +18,8 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from lily_mongo import Consumer, Json, MongoScope, queue
+from lily_mongo._errors import TransportError
 from lily_mongo._mongo import check_mongo
-from lily_mongo.errors import TransportError
 from lily_mongo.testing import Faults
 from tests.support import Broker, close_client, consumer_count
 
@@ -120,7 +120,7 @@ async def test_consumer_start_fails_in_one_line_and_opens_nothing(broker: Broker
 
 
 def test_the_check_timeout_is_bounded() -> None:
-    from lily_mongo.errors import ConfigError
+    from lily_mongo._errors import ConfigError
 
     with pytest.raises(ConfigError, match="mongo_check_timeout"):
         Consumer(

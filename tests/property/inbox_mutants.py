@@ -3,7 +3,7 @@
 The model (``tests/property/test_inbox_model.py``) runs the shipped ``Inbox``, so a mutant is
 either an edit of ``lily_mongo/inbox.py``'s source (loaded as a module of its own, which the
 machine runs instead: :attr:`InboxModel.INBOX`) or a replacement of one function of
-:mod:`lily_mongo.records` (which the inbox and the simulated server call through the module).
+:mod:`lily_mongo._inbox.protocol` (which the inbox and the simulated server call through the module).
 Two ways to run them:
 
 * ``LILY_MUTANTS=1 uv_run pytest --noconftest tests/property/test_inbox_model.py -k mutant``
@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import lily_mongo.inbox as shipped_inbox
-import lily_mongo.records as records
-from lily_mongo.records import COMPLETED, LEASED, Claim, ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
+import lily_mongo._inbox.inbox as shipped_inbox
+import lily_mongo._inbox.protocol as records
+from lily_mongo._inbox.protocol import COMPLETED, LEASED, Claim, ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
 
 Record = Any
 SOURCE = Path(shipped_inbox.__file__).read_text()
@@ -63,7 +63,7 @@ class Mutant:
     name: str
     caught_by: tuple[str, ...]  # the invariants that may report it (none: equivalent)
     why: str = ""  # for an equivalent mutant: why no run of the model can tell
-    target: str = ""  # the lily_mongo.records attribute it replaces
+    target: str = ""  # the lily_mongo._inbox.protocol attribute it replaces
     function: Callable[..., Any] | None = None
     edits: tuple[tuple[str, str], ...] = ()  # (old, new) edits of lily_mongo/inbox.py's source
     wire: bool = True  # run with the wire checks on
@@ -74,7 +74,7 @@ class Mutant:
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[type[Any]]:
-        """The machine class that runs this mutant, with ``lily_mongo.records`` patched meanwhile."""
+        """The machine class that runs this mutant, with ``lily_mongo._inbox.protocol`` patched meanwhile."""
         from tests.property.test_inbox_model import InboxModel
 
         module = inbox_module(edit(SOURCE, self.edits), self.name) if self.edits else shipped_inbox
@@ -480,7 +480,7 @@ MUTANTS: list[Mutant] = [
         NO_CANCEL_CHECK,
         why="the model's handlers never ignore a cancellation, so a cancelled attempt never reaches a replay",
     ),
-    # -- lily_mongo.records, replaced ---------------------------------------------------------------
+    # -- lily_mongo._inbox.protocol, replaced ---------------------------------------------------------------
     mutant("read_claim-held-as-leased", "read_claim", held_as_leased, "claim-reading"),
     mutant("read_claim-held-as-duplicate", "read_claim", held_as_duplicate, "ack-proof"),
     mutant("read_claim-completed-as-leased", "read_claim", completed_as_leased, "claim-reading"),

@@ -1,4 +1,4 @@
-"""A simulated MongoDB replica set with the async client surface :mod:`lily_mongo.inbox` uses.
+"""A simulated MongoDB replica set with the async client surface :mod:`lily_mongo._inbox.inbox` uses.
 
 The protocol model (``test_inbox_model.py``) runs the shipped ``Inbox`` against it. Every
 operation the inbox sends is held at the server until the model lets it through, with or
@@ -39,7 +39,7 @@ without a fault, so a hypothesis run chooses the interleaving. What it keeps of 
   limit); ``getParameter`` answers the limit.
 
 The updates the inbox sends are recognised (the claim pipeline, the completion, ...) and
-evaluated through their Python transitions in :mod:`lily_mongo.records`
+evaluated through their Python transitions in :mod:`lily_mongo._inbox.protocol`
 (``tests/integration/test_record_pipelines.py`` holds each equal to the server's), called
 through the module so the mutation run can replace them.
 """
@@ -68,8 +68,8 @@ from pymongo.errors import (
 from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
-import lily_mongo.records as records
-from lily_mongo.records import COMPLETED, LEASED, TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL
+import lily_mongo._inbox.protocol as records
+from lily_mongo._inbox.protocol import COMPLETED, LEASED, TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL
 
 EPOCH = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
 Doc = dict[str, Any]

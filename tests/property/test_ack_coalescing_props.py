@@ -1,7 +1,7 @@
 """Settlement through the ACK coalescer, over interleavings of many deliveries (docs/settlement.md section 2).
 
 Each example runs a batch of deliveries of one queue through the shipped
-:func:`lily_mongo.settlement.settle` loop, their writes going through the shipped
+:func:`lily_mongo._engine.settlement.settle` loop, their writes going through the shipped
 :class:`lily_mongo._amqp.AckCoalescer` of their channel, against a model of the
 broker's side of that channel (:class:`BrokerChannel`: the set of unacknowledged
 delivery tags and RabbitMQ's rules for ``basic.ack``, ``basic.nack`` and
@@ -41,7 +41,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lily_mongo._amqp import AckCoalescer
-from lily_mongo.settlement import (
+from lily_mongo._engine.settlement import (
     Budget,
     Evidence,
     Outcome,

@@ -1,6 +1,6 @@
 """A protocol model of the inbox (docs/inbox.md) that runs the shipped code, as a hypothesis state machine.
 
-Several consumer processes run :class:`lily_mongo.inbox.Inbox` itself (``execute``: its claim,
+Several consumer processes run :class:`lily_mongo._inbox.inbox.Inbox` itself (``execute``: its claim,
 attempts, commit loop, reconciliation, releases and counts; its heartbeat) against a simulated
 MongoDB replica set with the async client surface the inbox uses (``mongo_sim.py``: snapshot
 at the first operation, per-document write conflicts at the write, writers outside a
@@ -10,7 +10,7 @@ lifetime's reaper, the read-only commit). Every operation the inbox sends waits 
 until a rule lets it through, with or without a fault, so hypothesis chooses the interleaving;
 the clock is virtual (the event loop's), moved by a rule. Around it: a broker (requeue,
 redelivery after a crash, retry and DLQ copies), the runtime's deadline (a cut-off cancels the
-delivery's task: ``QUEUE_HANDLER_TIMEOUT``) and its settlement (:func:`lily_mongo.settlement.decide`
+delivery's task: ``QUEUE_HANDLER_TIMEOUT``) and its settlement (:func:`lily_mongo._engine.settlement.decide`
 with the runtime's deferral rule: the record's count, this process's count as the fallback,
 and no count from the broker, as on RabbitMQ 4.3, which no longer counts a ``nack`` with
 requeue), crashes, handler failures and republished copies.
@@ -65,7 +65,7 @@ Python transitions, so the model is only as true as their equivalence
 Budget: ``LILY_MODEL_EXAMPLES`` (default 250) random runs of up to ``LILY_MODEL_STEPS``
 (default 30) moves each, plus the teardown's drain; ``LILY_MODEL_EXAMPLES=5000`` is the long
 profile. ``LILY_MUTANTS=1`` adds the mutation run (``inbox_mutants.py``): mutants of
-``lily_mongo/inbox.py`` (its source, edited) and of :mod:`lily_mongo.records`.
+``lily_mongo/inbox.py`` (its source, edited) and of :mod:`lily_mongo._inbox.protocol`.
 """
 
 from __future__ import annotations
@@ -92,14 +92,10 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from pymongo.errors import PyMongoError
 
-import lily_mongo.inbox as shipped_inbox
-import lily_mongo.records as records
+import lily_mongo._inbox.inbox as shipped_inbox
+import lily_mongo._inbox.protocol as records
 from lily_mongo import QueueHandlerError
-from lily_mongo._lru import LruCounter
-from lily_mongo._tasks import TaskSet
-from lily_mongo.errors import ErrorCode
-from lily_mongo.records import COMPLETED, LEASED, TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL
-from lily_mongo.settlement import (
+from lily_mongo._engine.settlement import (
     Budget,
     Evidence,
     Execution,
@@ -110,6 +106,10 @@ from lily_mongo.settlement import (
     StepKind,
     decide,
 )
+from lily_mongo._errors import ErrorCode
+from lily_mongo._inbox.protocol import COMPLETED, LEASED, TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL
+from lily_mongo._lru import LruCounter
+from lily_mongo._tasks import TaskSet
 from tests.property.inbox_mutants import MUTANTS, Mutant, hunt
 from tests.property.mongo_sim import ACTOR, EPOCH, Op, Server, SimClient, Txn, TxnState, update_name
 from tests.property.mongo_sim import Fault as ServerFault
@@ -1811,7 +1811,7 @@ MUTATION_RUN = os.environ.get("LILY_MUTANTS") == "1"
 @pytest.mark.skipif(not MUTATION_RUN, reason="the mutation run: set LILY_MUTANTS=1")
 @pytest.mark.parametrize("mutant", MUTANTS if MUTATION_RUN else [None], ids=lambda m: m.name if m else "off")
 def test_mutant_is_caught(mutant: Mutant) -> None:
-    """Every non-equivalent mutant of lily_mongo/inbox.py or lily_mongo.records fails a scenario or a random run."""
+    """Every non-equivalent mutant of lily_mongo/inbox.py or lily_mongo._inbox.protocol fails a scenario or a random run."""
     if mutant.equivalent:
         pytest.skip(f"equivalent under the model: {mutant.why}")
     with mutant.applied() as machine:

@@ -5,7 +5,7 @@ free; dispatchers publish them from memory and mark them in batches; relays clai
 records in batches, publish and mark them; any of them may crash at any step (losing
 what it held in memory), a publish may be refused, and a server clock that a rule
 advances decides expiry. Every step the model applies to its collection is the Python
-transition of :mod:`lily_mongo._outbox_protocol` (``claim_transition``,
+transition of :mod:`lily_mongo._outbox.protocol` (``claim_transition``,
 ``mark_transition``, ``failure_transition``, ``is_due``, ``publish_order``,
 ``failed_attempt``), which an integration test holds equal to the MongoDB updates.
 
@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from lily_mongo import _outbox_protocol as protocol
+from lily_mongo._outbox import protocol
 
 MODEL = settings(
     max_examples=int(os.environ.get("LILY_MODEL_EXAMPLES", "250")),

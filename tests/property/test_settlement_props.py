@@ -1,6 +1,6 @@
 """Properties of settlement (docs/settlement.md), through the loop the runtime ships.
 
-:func:`lily_mongo.settlement.settle` is the loop every delivery goes through. Here
+:func:`lily_mongo._engine.settlement.settle` is the loop every delivery goes through. Here
 it runs against a simulated world (:class:`World`, its ``SettleEffects``): each
 generated effect decides whether a handoff publish confirms, whether a settlement
 write succeeds, and whether authority over the delivery is lost before the next
@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from lily_mongo.settlement import (
+from lily_mongo._engine.settlement import (
     Budget,
     Evidence,
     HandoffState,
@@ -757,7 +757,7 @@ def test_exhausted_reasons_name_the_counts() -> None:
 @pytest.mark.parametrize("outcome", [Outcome.SUCCESS, Outcome.DUPLICATE])
 def test_the_loop_without_a_watched_decide_takes_the_same_steps(outcome: Outcome) -> None:
     # The shipped loop answers the common path from precomputed decisions: same steps.
-    from lily_mongo.settlement import SUCCESS
+    from lily_mongo._engine.settlement import SUCCESS
 
     result = SUCCESS if outcome is Outcome.SUCCESS else PipelineResult(outcome)
     for watched in (True, False):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lily_mongo._acks import AckFlush, TagState, plan_flush
+from lily_mongo._amqp.acks import AckFlush, TagState, plan_flush
 
 OUT, M, S = TagState.OUTSTANDING, TagState.MARKED, TagState.SETTLED
 

@@ -24,8 +24,8 @@ import pydantic
 import pytest
 
 from lily_mongo import Bytes, Consumer, Json, RetryPolicy, Text, queue
+from lily_mongo._plan.plan import Plan
 from lily_mongo.asyncapi import asyncapi_document
-from lily_mongo.plan import Plan
 from lily_mongo.publisher import BINARY, JSON, TEXT, prepare_publication
 from tests.support import resolve, version_and_content
 

@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lily_mongo import _outbox_protocol as protocol
-from lily_mongo import runtime
 from lily_mongo._backoff import backoff
-from lily_mongo.errors import PublishError
-from lily_mongo.outbox import OutboxCounters, OutboxOptions
-from lily_mongo.settlement import Budget, Evidence, Execution, HandoffState, Outcome, PipelineResult
+from lily_mongo._engine import engine as runtime
+from lily_mongo._engine.settlement import Budget, Evidence, Execution, HandoffState, Outcome, PipelineResult
+from lily_mongo._errors import PublishError
+from lily_mongo._outbox import protocol
+from lily_mongo._outbox.outbox import OutboxCounters, OutboxOptions
 
 FAST = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 

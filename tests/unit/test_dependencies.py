@@ -28,10 +28,10 @@ from lily_mongo import (
     RetryCount,  # noqa: F401  # named by the source exec'd below
     Text,
 )
-from lily_mongo.dispatch import Prepared, Services, invoke, prepare
-from lily_mongo.inbox import MongoScope
-from lily_mongo.plan import HandlerRoute, Plan, PlanBuilder, QueueOptions, queue
-from lily_mongo.settlement import Outcome, PipelineResult
+from lily_mongo._engine.dispatch import Prepared, Services, invoke, prepare
+from lily_mongo._engine.settlement import Outcome, PipelineResult
+from lily_mongo._inbox.inbox import MongoScope
+from lily_mongo._plan.plan import HandlerRoute, Plan, PlanBuilder, QueueOptions, queue
 
 Handler = Callable[..., Awaitable[None]]
 QUEUE = "orders"

@@ -31,11 +31,11 @@ from lily_mongo import (
     RetryCount,
     Text,
 )
-from lily_mongo.dispatch import Prepared, Rejected, arguments, invoke, prepare, select_route
-from lily_mongo.extractors import NOT_DECODED
-from lily_mongo.inbox import MongoScope
-from lily_mongo.plan import HandlerRoute, Plan, PlanBuilder, QueueOptions, queue
-from lily_mongo.settlement import Outcome, PipelineResult
+from lily_mongo._engine.dispatch import Prepared, Rejected, arguments, invoke, prepare, select_route
+from lily_mongo._engine.settlement import Outcome, PipelineResult
+from lily_mongo._inbox.inbox import MongoScope
+from lily_mongo._plan.extractors import NOT_DECODED
+from lily_mongo._plan.plan import HandlerRoute, Plan, PlanBuilder, QueueOptions, queue
 
 Handler = Callable[..., Awaitable[None]]
 

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from lily_mongo import ConfigError, Consumer, Json, LilyError, RetryPolicy, TerminalObservation, queue
+from lily_mongo._engine.engine import Phase, Received, Runtime
+from lily_mongo._lifecycle.lifecycle import ManagedConsumer, State, _Lifecycle
 from lily_mongo._tasks import TaskSet
-from lily_mongo.lifecycle import ManagedConsumer, State, _Lifecycle
 from lily_mongo.publisher import JSON, prepare_publication
-from lily_mongo.runtime import Phase, Received, Runtime
 
 Q = "engine.paths"
 DEADLINE = 0.05

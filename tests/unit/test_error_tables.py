@@ -26,8 +26,8 @@ from pamqp import commands as spec
 from lily_mongo._amqp import AMQP_ERRORS, amqp_failure, channel_errors, map_amqp_errors
 from lily_mongo._amqp.connections import connection_error
 from lily_mongo._amqp.publishing import publish_error
+from lily_mongo._errors import ConfigError, LilyError, PublishError, TransportError
 from lily_mongo._mongo import MONGO_ERRORS, mongo_error, mongo_errors, timed_out
-from lily_mongo.errors import ConfigError, LilyError, PublishError, TransportError
 
 URL = "amqp://app:s3cret@broker.example:5672/orders"
 MONGO_URI = "mongodb://app:s3cret@db.example:27017/"

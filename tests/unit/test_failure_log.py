@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from lily_mongo import QueueHandlerError
-from lily_mongo._failures import FailureLog
+from lily_mongo._engine.failures import FailureLog
 
 WINDOW = 10.0  # seconds between two tracebacks of one handler (docs/handlers.md)
 EVENT = uuid.UUID("0f8fad5b-d9cb-469f-a165-70867728950e")

@@ -9,9 +9,9 @@ from types import MappingProxyType
 import pytest
 
 from lily_mongo._fast import slot_constructor
+from lily_mongo._plan.extractors import RawDelivery, new_raw_delivery
+from lily_mongo._snapshots import TerminalObservation
 from lily_mongo.envelope import Envelope, validate_envelope
-from lily_mongo.extractors import RawDelivery, new_raw_delivery
-from lily_mongo.observe import TerminalObservation
 
 
 def test_each_constructor_builds_what_the_dataclass_builds() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lily_mongo.settlement import Step, StepKind, handoff_headers
+from lily_mongo._engine.settlement import Step, StepKind, handoff_headers
 
 
 def test_a_copy_drops_the_broker_delivery_counters_and_keeps_the_rest() -> None:

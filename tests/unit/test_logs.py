@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from lily_mongo._logs import COMMAND_LOGGER, JsonFormatter, TextFormatter
+from lily_mongo._cli.logs import COMMAND_LOGGER, JsonFormatter, TextFormatter
+from lily_mongo._cli.workers import MAX_RESTARTS, exit_status, restart_delay
+from lily_mongo._engine.engine import _log_fields
 from lily_mongo._text import bind_reason
-from lily_mongo._workers import MAX_RESTARTS, exit_status, restart_delay
-from lily_mongo.runtime import _log_fields
 
 
 def record(name: str, level: int, message: str, **extra: object) -> logging.LogRecord:

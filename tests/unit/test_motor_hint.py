@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lily_mongo import Consumer
-from lily_mongo.errors import ConfigError
+from lily_mongo._errors import ConfigError
 
 # What Motor's client looks like to the check (Motor itself is not installed, and never imported).
 AsyncIOMotorClient = type("AsyncIOMotorClient", (), {"__module__": "motor.motor_asyncio"})

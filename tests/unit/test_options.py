@@ -26,8 +26,8 @@ from lily_mongo import (
     Relay,
     queue,
 )
-from lily_mongo.outbox import OutboxWriter
-from lily_mongo.plan import QueueOptions
+from lily_mongo._outbox.outbox import OutboxWriter
+from lily_mongo._plan.plan import QueueOptions
 from lily_mongo.publisher import prepare_publication
 
 URL = "amqp://guest:guest@127.0.0.1/"

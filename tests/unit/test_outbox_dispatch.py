@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from bson.errors import InvalidBSON
 
-from lily_mongo import _outbox_protocol as protocol
-from lily_mongo import outbox as outbox_module
+from lily_mongo._errors import PublishError
+from lily_mongo._outbox import outbox as outbox_module
+from lily_mongo._outbox import protocol
+from lily_mongo._outbox.outbox import OutboxCounters, OutboxDispatcher, OutboxOptions, OutboxRelay, _FixedTransport
 from lily_mongo._tasks import TaskSet
-from lily_mongo.errors import PublishError
-from lily_mongo.outbox import OutboxCounters, OutboxDispatcher, OutboxOptions, OutboxRelay, _FixedTransport
 
 
 class Result:

@@ -29,12 +29,12 @@ from lily_mongo import (
     RetryCount,
     Text,
 )
-from lily_mongo.dispatch import select_route as dispatch
+from lily_mongo._engine.dispatch import select_route as dispatch
+from lily_mongo._inbox.inbox import MongoScope
+from lily_mongo._plan.extractors import PayloadDecodeError, new_raw_delivery
+from lily_mongo._plan.plan import HandlerRoute, Plan, PlanBuilder, QueueOptions, RetryPolicy, queue
+from lily_mongo._topology import topology_names
 from lily_mongo.envelope import Envelope
-from lily_mongo.extractors import PayloadDecodeError, new_raw_delivery
-from lily_mongo.inbox import MongoScope
-from lily_mongo.plan import HandlerRoute, Plan, PlanBuilder, QueueOptions, RetryPolicy, queue
-from lily_mongo.topology import topology_names
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1/"
 Handler = Callable[..., Awaitable[None]]

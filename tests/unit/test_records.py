@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lily_mongo.records import (
+from lily_mongo._inbox.protocol import (
     Claim,
     ClaimKind,
     ErrorStep,

@@ -11,7 +11,7 @@ import pytest
 
 from lily_mongo import ConfigError
 from lily_mongo import telemetry as telemetry_module
-from lily_mongo._logs import JsonFormatter, configure_logging
+from lily_mongo._cli.logs import JsonFormatter, configure_logging
 from lily_mongo.telemetry import Telemetry, resolve_telemetry
 
 # -- log lines -------------------------------------------------------------------------------------------

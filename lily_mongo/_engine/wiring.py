@@ -24,20 +24,20 @@ import aio_pika.abc
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
-from ._mongo import mongo_error
-from ._observer import NO_OBSERVER, Observer
-from ._tasks import TaskSet
-from ._text import describe_value
+from .._errors import ConfigError
+from .._inbox.inbox import Inbox, InboxOptions
+from .._mongo import mongo_error
+from .._observer import NO_OBSERVER, Observer
+from .._outbox.outbox import OutboxOptions, OutboxRuntime, Send
+from .._snapshots import Snapshot
+from .._tasks import TaskSet
+from .._text import describe_value
 from .dispatch import Services
-from .errors import ConfigError
-from .inbox import Inbox, InboxOptions
-from .observe import Snapshot
-from .outbox import OutboxOptions, OutboxRuntime, Send
-from .runtime import Handoff, Runtime
+from .engine import Handoff, Runtime
 
 if TYPE_CHECKING:
-    from .plan import Plan
-    from .telemetry import Telemetry
+    from .._plan.plan import Plan
+    from ..telemetry import Telemetry
 
 __all__ = ["ConsumerSettings", "Engine", "Lifespan", "build_engine", "enter_lifespan"]
 

@@ -45,8 +45,9 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Mu
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import records
-from ._metrics import (
+from .._errors import ConfigError, EnvelopeError, ErrorCode
+from .._inbox import protocol as records
+from .._metrics import (
     DELIVERIES,
     DURATION_BUCKETS,
     HANDLER_DURATION,
@@ -59,11 +60,10 @@ from ._metrics import (
     SENT,
     Metric,
 )
-from ._observer import Send, SnapshotSource
-from .bounds import BOUNDS
-from .envelope import TRACEPARENT_HEADER, TRACESTATE_HEADER, valid_traceparent, validate_envelope
-from .errors import ConfigError, EnvelopeError, ErrorCode
-from .observe import Snapshot
+from .._observer import Send, SnapshotSource
+from .._snapshots import Snapshot
+from ..bounds import BOUNDS
+from ..envelope import TRACEPARENT_HEADER, TRACESTATE_HEADER, valid_traceparent, validate_envelope
 
 try:
     from opentelemetry import context as otel_context
@@ -88,7 +88,7 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
     from opentelemetry.trace import Span, TracerProvider
 
-    from .settlement import Execution, PipelineResult
+    from .._engine.settlement import Execution, PipelineResult
 
 __all__ = [
     "AVAILABLE",

@@ -33,17 +33,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pymongo.errors import OperationFailure
 
-from . import records
-from ._checks import check_bool, check_int
-from ._tasks import TaskSet
-from ._text import describe_value, truncate_utf8
-from ._wiring import Engine, build_engine, enter_lifespan
-from .envelope import EVENT_ID_HEADER, FAILED_QUEUE_HEADER
-from .errors import ConfigError, ErrorCode, LilyError, QueueHandlerError
-from .lifecycle import Consumer
-from .observe import TerminalObservation
-from .publisher import BINARY, JSON, TEXT, CustomPublishContent, prepare_publication
-from .runtime import Received
+from .._checks import check_bool, check_int
+from .._engine.engine import Received
+from .._engine.wiring import Engine, build_engine, enter_lifespan
+from .._errors import ConfigError, ErrorCode, LilyError, QueueHandlerError
+from .._inbox import protocol as records
+from .._lifecycle.lifecycle import Consumer
+from .._snapshots import TerminalObservation
+from .._tasks import TaskSet
+from .._text import describe_value, truncate_utf8
+from ..envelope import EVENT_ID_HEADER, FAILED_QUEUE_HEADER
+from ..publisher import BINARY, JSON, TEXT, CustomPublishContent, prepare_publication
 
 if TYPE_CHECKING:
     from pymongo import AsyncMongoClient

@@ -19,20 +19,20 @@ from typing import TYPE_CHECKING, Any
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
-from ._amqp import channel_errors, connect_amqp
-from ._checks import check_amqp_url, check_bool, check_database_name, check_seconds
-from ._mongo import mongo_error
-from ._observer import NO_OBSERVER, Observer
-from ._redact import redact_url
-from ._signals import ShutdownSignals, graceful_notice
-from ._tasks import TaskSet
-from ._tasks import uncancellable as _uncancellable
-from ._text import describe_value
-from .errors import ConfigError, LilyError
-from .lifecycle import ShutdownAction, ShutdownReport, State
-from .observe import Snapshot
+from .._amqp import channel_errors, connect_amqp
+from .._checks import check_amqp_url, check_bool, check_database_name, check_seconds
+from .._errors import ConfigError, LilyError
+from .._lifecycle.lifecycle import ShutdownAction, ShutdownReport, State
+from .._mongo import mongo_error
+from .._observer import NO_OBSERVER, Observer
+from .._redact import redact_url
+from .._signals import ShutdownSignals, graceful_notice
+from .._snapshots import Snapshot
+from .._tasks import TaskSet
+from .._tasks import uncancellable as _uncancellable
+from .._text import describe_value
+from ..telemetry import Telemetry, resolve_telemetry
 from .outbox import OutboxOptions, OutboxRuntime, standalone_options
-from .telemetry import Telemetry, resolve_telemetry
 
 if TYPE_CHECKING:
     import aio_pika.abc

@@ -36,15 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._backoff import backoff
-from ._logs import COMMAND_LOGGER
-from ._signals import ShutdownSignals
-from ._tasks import TaskSet
-from ._text import bind_reason
-from .errors import ConfigError
+from .._backoff import backoff
+from .._errors import ConfigError
+from .._signals import ShutdownSignals
+from .._tasks import TaskSet
+from .._text import bind_reason
+from .logs import COMMAND_LOGGER
 
 if TYPE_CHECKING:
-    from ._http import WorkerProbes
+    from .probes import WorkerProbes
 
 __all__ = ["MAX_RESTARTS", "WorkerOptions", "exit_status", "restart_delay", "supervise"]
 
@@ -369,7 +369,7 @@ class Supervisor:
 
     async def _start_probes(self, host: str, port: int) -> WorkerProbes:
         try:
-            from ._http import WorkerProbes  # optional dependencies: imported only when asked for
+            from .probes import WorkerProbes  # optional dependencies: imported only when asked for
         except ModuleNotFoundError as exc:
             raise ConfigError(f"--http-port needs the 'http' extra: pip install 'lily-mongo[http]' ({exc})") from exc
         probes = WorkerProbes(host, port, self)

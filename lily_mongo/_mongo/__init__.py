@@ -24,9 +24,9 @@ from pymongo.errors import (
     WriteConcernError,
 )
 
-from ._redact import redact_url, scrub
-from .errors import ConfigError, LilyError, ScopeClosedError, TransportError
-from .records import TRANSACTION_LABELS
+from .._errors import ConfigError, LilyError, ScopeClosedError, TransportError
+from .._inbox.protocol import TRANSACTION_LABELS
+from .._redact import redact_url, scrub
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.client_session import AsyncClientSession

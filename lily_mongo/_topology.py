@@ -16,10 +16,10 @@ from typing import Any
 import aio_pika.abc
 
 from ._amqp import channel_errors
+from ._errors import ConfigError
+from ._plan.outgoing import OutgoingMessage
+from ._plan.plan import QueueOptions, RetryPolicy
 from ._tasks import raise_if_cancel_requested
-from .errors import ConfigError
-from .outgoing import OutgoingMessage
-from .plan import QueueOptions, RetryPolicy
 
 __all__ = ["declare_topology", "destination_options", "prepare_destinations", "topology_names"]
 

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._lru import Lru
-from ._text import truncate_utf8
-from .bounds import BOUNDS
-from .errors import QueueHandlerError
+from .._errors import QueueHandlerError
+from .._lru import Lru
+from .._text import truncate_utf8
+from ..bounds import BOUNDS
 
 __all__ = ["TRACEBACK_WINDOW", "FailureLog"]
 

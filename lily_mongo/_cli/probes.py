@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from ._metrics import (
+from .._metrics import (
     DELIVERIES,
     OUTBOX_GAUGES,
     OUTBOX_PUBLISHED,
@@ -44,10 +44,10 @@ from ._metrics import (
 )
 
 if TYPE_CHECKING:
-    from ._workers import Supervisor
-    from .lifecycle import ShutdownReport
-    from .observe import Snapshot
-    from .telemetry import Telemetry
+    from .._lifecycle.lifecycle import ShutdownReport
+    from .._snapshots import Snapshot
+    from ..telemetry import Telemetry
+    from .workers import Supervisor
 
 __all__ = ["MetricsCollector", "ProbeServer", "Served", "WorkerProbes", "merge_worker_metrics"]
 

@@ -45,21 +45,21 @@ from pymongo.errors import PyMongoError
 from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
-from . import _outbox_protocol as protocol
-from . import records as inbox_records
-from ._amqp import basic_publish, channel_errors, connect_amqp
-from ._backoff import backoff
-from ._checks import check_amqp_url, check_bool, check_database_name, check_int, check_seconds
-from ._lru import Lru
-from ._mongo import TransactionScope, discard_server_session, ensure_index, error_labels, mongo_error
-from ._observer import NO_OBSERVER, Observer
-from ._outbox_protocol import Claim, Failure
-from ._tasks import TaskSet
-from ._text import describe_value
-from .bounds import BOUNDS, utf8_len
-from .errors import CommitOutcomeUnknown, ConfigError, LilyError, PublishError, ScopeClosedError, TransportError
-from .publisher import CustomPublishContent, OpenClose, PublishOptions, TypedPublishing, prepare_publication
-from .telemetry import Telemetry, resolve_telemetry
+from .._amqp import basic_publish, channel_errors, connect_amqp
+from .._backoff import backoff
+from .._checks import check_amqp_url, check_bool, check_database_name, check_int, check_seconds
+from .._errors import CommitOutcomeUnknown, ConfigError, LilyError, PublishError, ScopeClosedError, TransportError
+from .._inbox import protocol as inbox_records
+from .._lru import Lru
+from .._mongo import TransactionScope, discard_server_session, ensure_index, error_labels, mongo_error
+from .._observer import NO_OBSERVER, Observer
+from .._tasks import TaskSet
+from .._text import describe_value
+from ..bounds import BOUNDS, utf8_len
+from ..publisher import CustomPublishContent, OpenClose, PublishOptions, TypedPublishing, prepare_publication
+from ..telemetry import Telemetry, resolve_telemetry
+from . import protocol
+from .protocol import Claim, Failure
 
 if TYPE_CHECKING:
     import aio_pika.abc

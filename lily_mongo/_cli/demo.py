@@ -28,12 +28,12 @@ import pydantic
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
-from . import Consumer, EventId, Json, MongoScope, Publisher, QueueHandlerError, RetryCount, RetryPolicy, queue
-from ._amqp import channel_errors, connect_amqp
-from ._mongo import mongo_errors, open_mongo
-from ._redact import redact_url
-from .errors import TransportError
-from .lifecycle import ManagedConsumer, ShutdownReport
+from .. import Consumer, EventId, Json, MongoScope, Publisher, QueueHandlerError, RetryCount, RetryPolicy, queue
+from .._amqp import channel_errors, connect_amqp
+from .._errors import TransportError
+from .._lifecycle.lifecycle import ManagedConsumer, ShutdownReport
+from .._mongo import mongo_errors, open_mongo
+from .._redact import redact_url
 
 __all__ = ["DemoResult", "OrderCreated", "OrderLine", "run_demo"]
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._backoff import backoff
+from .._backoff import backoff
 
 __all__ = [
     "DUE_SORT",

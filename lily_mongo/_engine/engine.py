@@ -43,19 +43,19 @@ import aio_pika
 import aio_pika.abc
 import aiormq.abc
 
-from ._amqp import AckCoalescer, InboundMessage, republish, unbounded_frame_queue
-from ._backoff import backoff
-from ._failures import FailureLog
-from ._lru import LruCounter
-from ._observer import NO_DELIVERY, NO_OBSERVER, DeliveryObserver, Observer
-from ._tasks import TaskSet
-from ._text import truncate_utf8
-from .bounds import BOUNDS
+from .._amqp import AckCoalescer, InboundMessage, republish, unbounded_frame_queue
+from .._backoff import backoff
+from .._errors import ErrorCode, PublishError
+from .._lru import LruCounter
+from .._observer import NO_DELIVERY, NO_OBSERVER, DeliveryObserver, Observer
+from .._plan.plan import Plan, QueueOptions
+from .._snapshots import ObservationLog, QueueCounters, QueueSnapshot
+from .._tasks import TaskSet
+from .._text import truncate_utf8
+from ..bounds import BOUNDS
+from ..envelope import DELIVERY_COUNT_HEADER, Envelope
 from .dispatch import NO_SERVICES, Inbound, Prepared, Services, invoke, prepare
-from .envelope import DELIVERY_COUNT_HEADER, Envelope
-from .errors import ErrorCode, PublishError
-from .observe import ObservationLog, QueueCounters, QueueSnapshot
-from .plan import Plan, QueueOptions
+from .failures import FailureLog
 from .settlement import (
     NO_BUDGET,
     Budget,
@@ -73,8 +73,8 @@ from .settlement import (
 )
 
 if TYPE_CHECKING:
-    from .extractors import RawDelivery
-    from .inbox import Inbox, MongoScope
+    from .._inbox.inbox import Inbox, MongoScope
+    from .._plan.extractors import RawDelivery
 
 __all__ = ["Handoff", "Phase", "Received", "Runtime", "Stage"]
 

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Protocol
 
-from ._text import truncate_utf8
-from .bounds import BOUNDS
-from .envelope import Envelope, event_id_of, validate_envelope
-from .errors import EnvelopeError, ErrorCode, QueueHandlerError
-from .extractors import NOT_DECODED, Dependency, Parameter, PayloadDecodeError, RawDelivery, new_raw_delivery
-from .plan import DeliveryContext, HandlerRoute, Middleware, Plan, QueueOptions
+from .._errors import EnvelopeError, ErrorCode, QueueHandlerError
+from .._plan.extractors import NOT_DECODED, Dependency, Parameter, PayloadDecodeError, RawDelivery, new_raw_delivery
+from .._plan.plan import DeliveryContext, HandlerRoute, Middleware, Plan, QueueOptions
+from .._text import truncate_utf8
+from ..bounds import BOUNDS
+from ..envelope import Envelope, event_id_of, validate_envelope
 from .settlement import SUCCESS, Outcome, PipelineResult
 
 __all__ = [

@@ -13,11 +13,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from ._checks import check_int, check_seconds
-from ._text import describe_value
-from .bounds import BOUNDS, utf8_len
-from .envelope import Envelope, check_content_kind
-from .errors import ConfigError, PlanError
+from .._checks import check_int, check_seconds
+from .._errors import ConfigError, PlanError
+from .._text import describe_value
+from ..bounds import BOUNDS, utf8_len
+from ..envelope import Envelope, check_content_kind
 from .extractors import Dependency, Parameter, RawDelivery, is_coroutine_function, resolve_handler
 
 __all__ = [

@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 import orjson
 import pydantic
 
-from ._fast import slot_constructor
-from ._text import describe_value
-from .errors import ConfigError, PlanError
+from .._errors import ConfigError, PlanError
+from .._fast import slot_constructor
+from .._text import describe_value
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.database import AsyncDatabase
 
-    from .envelope import Envelope
+    from ..envelope import Envelope
 
 __all__ = [
     "Bytes",

@@ -14,11 +14,11 @@ from typing import Any
 
 import pydantic
 
-from ._checks import check_bool, check_int
-from ._text import describe_value
-from .bounds import BOUNDS
-from .envelope import check_content_kind
-from .errors import ConfigError
+from .._checks import check_bool, check_int
+from .._errors import ConfigError
+from .._text import describe_value
+from ..bounds import BOUNDS
+from ..envelope import check_content_kind
 from .plan import check_name
 
 __all__ = ["OutgoingMessage"]

@@ -31,25 +31,25 @@ from typing import Any, Literal, TypedDict, TypeVar, Unpack
 import aio_pika.abc
 from pymongo import AsyncMongoClient
 
-from ._amqp import channel_errors, connect_amqp
-from ._checks import check_amqp_url, check_bool, check_database_name, check_seconds
-from ._mongo import check_mongo
-from ._redact import redact_url
-from ._signals import ShutdownSignals, graceful_notice
-from ._tasks import TaskSet, raise_if_cancel_requested
-from ._tasks import uncancellable as _uncancellable
-from ._text import describe_value
-from ._wiring import ConsumerSettings, Engine, Lifespan, build_engine, enter_lifespan
-from .errors import ConfigError, LilyError
-from .inbox import InboxOptions, MongoScope
-from .observe import Snapshot, TerminalObservation
-from .outbox import OutboxOptions, OutboxRuntime
-from .outgoing import OutgoingMessage
-from .plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions, RetryPolicy
-from .runtime import Runtime
-from .settlement import Terminal
-from .telemetry import Telemetry, resolve_telemetry
-from .topology import declare_topology, destination_options, prepare_destinations
+from .._amqp import channel_errors, connect_amqp
+from .._checks import check_amqp_url, check_bool, check_database_name, check_seconds
+from .._engine.engine import Runtime
+from .._engine.settlement import Terminal
+from .._engine.wiring import ConsumerSettings, Engine, Lifespan, build_engine, enter_lifespan
+from .._errors import ConfigError, LilyError
+from .._inbox.inbox import InboxOptions, MongoScope
+from .._mongo import check_mongo
+from .._outbox.outbox import OutboxOptions, OutboxRuntime
+from .._plan.outgoing import OutgoingMessage
+from .._plan.plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions, RetryPolicy
+from .._redact import redact_url
+from .._signals import ShutdownSignals, graceful_notice
+from .._snapshots import Snapshot, TerminalObservation
+from .._tasks import TaskSet, raise_if_cancel_requested
+from .._tasks import uncancellable as _uncancellable
+from .._text import describe_value
+from .._topology import declare_topology, destination_options, prepare_destinations
+from ..telemetry import Telemetry, resolve_telemetry
 
 __all__ = ["Consumer", "ConsumerSettings", "ManagedConsumer", "QueueSettings", "ShutdownAction", "ShutdownReport"]
 

@@ -22,9 +22,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from ._text import sanitize, truncate_utf8
-from .bounds import BOUNDS, BROKER_COUNT_HEADERS
-from .envelope import (
+from .._errors import ErrorCode
+from .._text import sanitize, truncate_utf8
+from ..bounds import BOUNDS, BROKER_COUNT_HEADERS
+from ..envelope import (
     FAILED_AT_HEADER,
     FAILED_QUEUE_HEADER,
     FAILURE_CODE_HEADER,
@@ -32,7 +33,6 @@ from .envelope import (
     RETRY_COUNT_HEADER,
     sanitize_headers,
 )
-from .errors import ErrorCode
 
 __all__ = [
     "Budget",

@@ -67,10 +67,11 @@ from pymongo.errors import DuplicateKeyError, PyMongoError
 from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
-from . import records
-from ._backoff import backoff
-from ._checks import check_bool, check_int, check_seconds
-from ._mongo import (
+from .._backoff import backoff
+from .._checks import check_bool, check_int, check_seconds
+from .._engine.settlement import Execution, Outcome, PipelineResult
+from .._errors import ConfigError, ErrorCode
+from .._mongo import (
     DEFAULT_TRANSACTION_LIFETIME,
     TransactionScope,
     discard_server_session,
@@ -81,22 +82,21 @@ from ._mongo import (
     wait_expired,
     write_unconfirmed,
 )
-from ._observer import NO_OBSERVER, Observer
-from ._tasks import TaskSet, raise_if_cancel_requested
-from .bounds import DELIVERY_COUNT_HEADER
-from .errors import ConfigError, ErrorCode
-from .extractors import NOT_DECODED
-from .outbox import OutboxRuntime, OutboxWriter
-from .records import ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
-from .settlement import Execution, Outcome, PipelineResult
+from .._observer import NO_OBSERVER, Observer
+from .._outbox.outbox import OutboxRuntime, OutboxWriter
+from .._plan.extractors import NOT_DECODED
+from .._tasks import TaskSet, raise_if_cancel_requested
+from ..bounds import DELIVERY_COUNT_HEADER
+from . import protocol as records
+from .protocol import ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
 
 if TYPE_CHECKING:
     from pymongo import AsyncMongoClient
     from pymongo.asynchronous.client_session import AsyncClientSession
     from pymongo.asynchronous.database import AsyncDatabase
 
-    from .extractors import RawDelivery
-    from .plan import HandlerRoute
+    from .._plan.extractors import RawDelivery
+    from .._plan.plan import HandlerRoute
 
 __all__ = ["STAT_COLUMNS", "Inbox", "InboxOptions", "Invoke", "MongoScope", "inbox_stats"]
 

@@ -1,0 +1,1 @@
+"""The consumer and its supervisor: start, run, shut down (docs/lifecycle.md)."""
