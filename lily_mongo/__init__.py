@@ -18,9 +18,8 @@ from ._errors import (
     TransportError,
 )
 from ._inbox.inbox import InboxOptions, MongoScope
-from ._lifecycle.lifecycle import Consumer, ManagedConsumer, ShutdownAction, ShutdownReport
-from ._outbox.outbox import Outbox, OutboxOptions, OutboxTransaction
-from ._outbox.service import Relay
+from ._lifecycle import Consumer, ManagedConsumer
+from ._outbox import Outbox, OutboxOptions, OutboxTransaction, Relay
 from ._plan.extractors import (
     Bytes,
     Depends,
@@ -36,6 +35,7 @@ from ._plan.extractors import (
 )
 from ._plan.plan import DeliveryContext, QueueOptions, RetryPolicy, queue
 from ._snapshots import QueueSnapshot, Snapshot, TerminalObservation
+from ._supervision import ShutdownAction, ShutdownReport
 from .publisher import CustomPublishContent, Publisher
 
 __all__ = [

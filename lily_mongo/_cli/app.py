@@ -47,10 +47,9 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
 from .._errors import ConfigError, LilyError, PublishError, TransportError
 from .._inbox import inbox as inbox_records
 from .._inbox.inbox import InboxOptions
-from .._lifecycle.lifecycle import Consumer
+from .._lifecycle import Consumer
 from .._mongo import MONGODB, describe_client, mongo_errors, open_mongo
-from .._outbox.outbox import OutboxOptions
-from .._outbox.service import Relay
+from .._outbox import OutboxOptions, Relay
 from .._plan.plan import routes_of
 from .._redact import redact_url, scrub
 from .._signals import ShutdownSignals, graceful_notice
@@ -60,7 +59,8 @@ from ..dlq import DlqListing, list_dead_letters, replay_dead_letters
 from .logs import COMMAND_LOGGER, configure_logging
 
 if TYPE_CHECKING:
-    from .._lifecycle.lifecycle import ManagedConsumer, ShutdownReport
+    from .._lifecycle import ManagedConsumer
+    from .._supervision import ShutdownReport
     from .demo import DemoResult
     from .probes import ProbeServer
 

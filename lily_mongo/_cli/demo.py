@@ -31,9 +31,10 @@ from pymongo.errors import PyMongoError
 from .. import Consumer, EventId, Json, MongoScope, Publisher, QueueHandlerError, RetryCount, RetryPolicy, queue
 from .._amqp import channel_errors, connect_amqp
 from .._errors import TransportError
-from .._lifecycle.lifecycle import ManagedConsumer, ShutdownReport
+from .._lifecycle import ManagedConsumer
 from .._mongo import mongo_errors, open_mongo
 from .._redact import redact_url
+from .._supervision import ShutdownReport
 
 __all__ = ["DemoResult", "OrderCreated", "OrderLine", "run_demo"]
 

@@ -44,8 +44,8 @@ from .._metrics import (
 )
 
 if TYPE_CHECKING:
-    from .._lifecycle.lifecycle import ShutdownReport
     from .._snapshots import Snapshot
+    from .._supervision import ShutdownReport
     from ..telemetry import Telemetry
     from .workers import Supervisor
 

@@ -28,7 +28,7 @@ from .._errors import ConfigError
 from .._inbox.inbox import Inbox, InboxOptions
 from .._mongo import mongo_error
 from .._observer import NO_OBSERVER, Observer
-from .._outbox.outbox import OutboxOptions, OutboxRuntime, Send
+from .._outbox import OutboxOptions, ProcessOutbox, Send
 from .._snapshots import Snapshot
 from .._tasks import TaskSet
 from .._text import describe_value
@@ -76,7 +76,7 @@ class Engine:
     settings: ConsumerSettings
     runtime: Runtime
     inbox: Inbox | None
-    outbox: OutboxRuntime | None
+    outbox: ProcessOutbox | None
     unwatch: Callable[[], None] = _nothing
 
     def snapshot(self, state: str) -> Snapshot:
@@ -130,11 +130,11 @@ async def build_engine(
     """
     observer: Observer = settings.telemetry or NO_OBSERVER
     inbox: Inbox | None = None
-    outbox: OutboxRuntime | None = None
+    outbox: ProcessOutbox | None = None
     client = settings.mongo_client
     if client is not None:
         assert settings.database is not None
-        outbox = OutboxRuntime(
+        outbox = ProcessOutbox(
             client,
             settings.database,
             settings.outbox,

@@ -83,7 +83,7 @@ from .._mongo import (
     write_unconfirmed,
 )
 from .._observer import NO_OBSERVER, Observer
-from .._outbox.outbox import OutboxRuntime, OutboxWriter
+from .._outbox import OutboxWriter, ProcessOutbox
 from .._plan.extractors import NOT_DECODED
 from .._tasks import TaskSet, raise_if_cancel_requested
 from ..bounds import DELIVERY_COUNT_HEADER
@@ -262,7 +262,7 @@ class Inbox:
         options: InboxOptions,
         *,
         owner_prefix: str,
-        outbox: OutboxRuntime,
+        outbox: ProcessOutbox,
         deadlines: Mapping[str, float] | None = None,
         observer: Observer = NO_OBSERVER,
     ) -> None:

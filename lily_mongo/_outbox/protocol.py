@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import datetime
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -312,3 +312,11 @@ def read_back(*, written: int, found: bool) -> ReadBack:
     transaction that wrote no record has nothing to read: both stay unknown.
     """
     return ReadBack.COMMITTED if written and found else ReadBack.UNKNOWN
+
+
+Clock = Callable[[], datetime.datetime]
+"""What the outbox reads the time from: this process's clock, corrected by its offset to the server's."""
+
+
+def utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)

@@ -22,17 +22,18 @@ from pymongo.errors import PyMongoError
 from .._amqp import channel_errors, connect_amqp
 from .._checks import check_amqp_url, check_bool, check_database_name, check_seconds
 from .._errors import ConfigError, LilyError
-from .._lifecycle.lifecycle import ShutdownAction, ShutdownReport, State
 from .._mongo import mongo_error
 from .._observer import NO_OBSERVER, Observer
 from .._redact import redact_url
 from .._signals import ShutdownSignals, graceful_notice
 from .._snapshots import Snapshot
+from .._supervision import ShutdownAction, ShutdownReport, State
 from .._tasks import TaskSet
 from .._tasks import uncancellable as _uncancellable
 from .._text import describe_value
 from ..telemetry import Telemetry, resolve_telemetry
-from .outbox import OutboxOptions, OutboxRuntime, standalone_options
+from .options import OutboxOptions, standalone_options
+from .process import ProcessOutbox
 
 if TYPE_CHECKING:
     import aio_pika.abc
@@ -80,7 +81,7 @@ class Relay:
         self._owns_client = check_bool("owns_mongo_client", owns_mongo_client)
         self._telemetry = resolve_telemetry(telemetry)
         observer: Observer = self._telemetry or NO_OBSERVER
-        self._runtime = OutboxRuntime(
+        self._runtime = ProcessOutbox(
             mongo_client, database, options, owner=f"{name[:64]}:{uuid.uuid4().hex[:12]}", observer=observer
         )
         self._tasks = TaskSet()
@@ -124,7 +125,7 @@ class Relay:
         return ()
 
     @property
-    def runtime(self) -> OutboxRuntime:
+    def runtime(self) -> ProcessOutbox:
         """The relay's outbox parts (for the library's own tests)."""
         return self._runtime
 

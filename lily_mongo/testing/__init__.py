@@ -38,7 +38,7 @@ from .._engine.engine import Received
 from .._engine.wiring import Engine, build_engine, enter_lifespan
 from .._errors import ConfigError, ErrorCode, LilyError, QueueHandlerError
 from .._inbox import protocol as records
-from .._lifecycle.lifecycle import Consumer
+from .._lifecycle import Consumer
 from .._snapshots import TerminalObservation
 from .._tasks import TaskSet
 from .._text import describe_value, truncate_utf8

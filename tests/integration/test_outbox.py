@@ -34,7 +34,7 @@ from lily_mongo import (
     RetryPolicy,
     queue,
 )
-from lily_mongo._outbox.outbox import OutboxRelay
+from lily_mongo._outbox import OutboxRelay
 from lily_mongo._tasks import TaskSet
 from lily_mongo.envelope import validate_envelope
 from lily_mongo.publisher import JSON, prepare_publication

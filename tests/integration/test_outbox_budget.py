@@ -16,7 +16,7 @@ from typing import Any
 from pymongo import monitoring
 
 from lily_mongo import Consumer, EventId, MongoScope, Outbox, OutboxOptions, OutboxTransaction, RetryPolicy, queue
-from lily_mongo._outbox.outbox import OutboxRelay
+from lily_mongo._outbox import OutboxRelay
 from tests.integration.test_outbox import event_ids, outbox_record, relays_running
 from tests.support import Broker, CommandLog, MongoDB, eventually, running, w1_client
 

@@ -1811,7 +1811,7 @@ MUTATION_RUN = os.environ.get("LILY_MUTANTS") == "1"
 @pytest.mark.skipif(not MUTATION_RUN, reason="the mutation run: set LILY_MUTANTS=1")
 @pytest.mark.parametrize("mutant", MUTANTS if MUTATION_RUN else [None], ids=lambda m: m.name if m else "off")
 def test_mutant_is_caught(mutant: Mutant) -> None:
-    """Every non-equivalent mutant of lily_mongo/inbox.py or lily_mongo._inbox.protocol fails a scenario or a random run."""
+    """Every non-equivalent mutant of the inbox or of its record protocol fails a scenario or a random run."""
     if mutant.equivalent:
         pytest.skip(f"equivalent under the model: {mutant.why}")
     with mutant.applied() as machine:

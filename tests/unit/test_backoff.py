@@ -23,8 +23,7 @@ from lily_mongo._backoff import backoff
 from lily_mongo._engine import engine as runtime
 from lily_mongo._engine.settlement import Budget, Evidence, Execution, HandoffState, Outcome, PipelineResult
 from lily_mongo._errors import PublishError
-from lily_mongo._outbox import protocol
-from lily_mongo._outbox.outbox import OutboxCounters, OutboxOptions
+from lily_mongo._outbox import OutboxCounters, OutboxOptions, protocol
 
 FAST = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 

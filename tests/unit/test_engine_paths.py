@@ -18,7 +18,8 @@ import pytest
 
 from lily_mongo import ConfigError, Consumer, Json, LilyError, RetryPolicy, TerminalObservation, queue
 from lily_mongo._engine.engine import Phase, Received, Runtime
-from lily_mongo._lifecycle.lifecycle import ManagedConsumer, State, _Lifecycle
+from lily_mongo._lifecycle import ManagedConsumer
+from lily_mongo._supervision import Lifecycle, State
 from lily_mongo._tasks import TaskSet
 from lily_mongo.publisher import JSON, prepare_publication
 
@@ -187,7 +188,7 @@ async def test_the_engine_phase_only_moves_forward() -> None:
 
 
 def test_the_lifecycle_state_only_moves_forward() -> None:
-    lifecycle = _Lifecycle()
+    lifecycle = Lifecycle()
     for state in (State.STARTING, State.RUNNING, State.DRAINING, State.STOPPED):  # a graceful shutdown: no forcing
         lifecycle.enter(state)
         assert lifecycle.state is state

@@ -26,7 +26,7 @@ from lily_mongo import (
     Relay,
     queue,
 )
-from lily_mongo._outbox.outbox import OutboxWriter
+from lily_mongo._outbox import OutboxWriter
 from lily_mongo._plan.plan import QueueOptions
 from lily_mongo.publisher import prepare_publication
 

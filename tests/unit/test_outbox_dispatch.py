@@ -15,9 +15,8 @@ import pytest
 from bson.errors import InvalidBSON
 
 from lily_mongo._errors import PublishError
-from lily_mongo._outbox import outbox as outbox_module
-from lily_mongo._outbox import protocol
-from lily_mongo._outbox.outbox import OutboxCounters, OutboxDispatcher, OutboxOptions, OutboxRelay, _FixedTransport
+from lily_mongo._outbox import FixedTransport, OutboxCounters, OutboxDispatcher, OutboxOptions, OutboxRelay, protocol
+from lily_mongo._outbox import dispatcher as dispatcher_module
 from lily_mongo._tasks import TaskSet
 
 
@@ -99,7 +98,7 @@ def test_a_batch_is_published_pipelined_in_write_order_and_marked_in_one_write_p
     async def main() -> None:
         collection, broker, tasks = Collection(), Broker(), TaskSet()
         outbox = dispatcher(collection, batch_size=100, mark_interval=60, claim_seconds=600)
-        outbox.start(_FixedTransport(broker.send), tasks)
+        outbox.start(FixedTransport(broker.send), tasks)
         first, second = records(outbox, 150, "a"), records(outbox, 100, "b")
         outbox.submit(first)
         outbox.submit(second)
@@ -127,7 +126,7 @@ def test_marks_wait_the_mark_interval_to_share_one_write() -> None:
         collection, broker, tasks = Collection(), Broker(), TaskSet()
         broker.release.set()
         outbox = dispatcher(collection, mark_interval=0.3)
-        outbox.start(_FixedTransport(broker.send), tasks)
+        outbox.start(FixedTransport(broker.send), tasks)
         for n in range(5):  # five transactions, one record each, 20 ms apart
             outbox.submit(records(outbox, 1, f"t{n}-"))
             await asyncio.sleep(0.02)
@@ -144,7 +143,7 @@ def test_a_refused_publish_is_recorded_as_a_failed_attempt_and_the_others_are_ma
         collection, broker, tasks = Collection(), Broker(refuse=frozenset({"t1"})), TaskSet()
         broker.release.set()
         outbox = dispatcher(collection)
-        outbox.start(_FixedTransport(broker.send), tasks)
+        outbox.start(FixedTransport(broker.send), tasks)
         outbox.submit(records(outbox, 3))
         await outbox.drain()
         [(filter, _)] = collection.marks
@@ -166,7 +165,7 @@ def test_a_record_whose_claim_expired_before_its_dispatch_is_left_to_the_relay()
         collection, broker, tasks = Collection(), Broker(), TaskSet()
         broker.release.set()
         outbox = dispatcher(collection)
-        outbox.start(_FixedTransport(broker.send), tasks)
+        outbox.start(FixedTransport(broker.send), tasks)
         stale = records(outbox, 2)
         stale[0]["claim_expires"] = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1)
         outbox.submit(stale)
@@ -220,12 +219,12 @@ def test_a_claim_that_would_run_out_before_the_confirm_and_the_mark_is_left_to_t
 
 
 def test_while_the_broker_is_away_the_dispatch_queue_stops_growing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(outbox_module, "DISPATCH_QUEUE_LIMIT", 5)
+    monkeypatch.setattr(dispatcher_module, "DISPATCH_QUEUE_LIMIT", 5)
 
     async def main() -> None:
         collection, broker, tasks = Collection(), Broker(), TaskSet()
         outbox = dispatcher(collection, batch_size=2, claim_seconds=600)
-        outbox.start(_FixedTransport(broker.send), tasks)
+        outbox.start(FixedTransport(broker.send), tasks)
         in_flight = records(outbox, 2, "a")
         outbox.submit(in_flight)
         await asyncio.sleep(0.05)  # taken as a batch: waiting for its confirms
@@ -246,7 +245,7 @@ def test_a_stopped_dispatcher_claims_nothing_and_takes_nothing() -> None:
         collection, tasks = Collection(), TaskSet()
         outbox = dispatcher(collection)
         assert outbox.claim() is None  # not started: records are born free, for a relay
-        outbox.start(_FixedTransport(Broker().send), tasks)
+        outbox.start(FixedTransport(Broker().send), tasks)
         assert outbox.claim() is not None
         assert await outbox.stop(1.0) is True
         assert outbox.claim() is None
@@ -276,7 +275,7 @@ class FlakyRelay(OutboxRelay):
 def test_the_relay_outlives_a_claim_that_fails_with_something_else_than_a_database_error() -> None:
     async def main() -> None:
         relay = FlakyRelay(poll_interval=0.01)
-        task = asyncio.ensure_future(relay.run(_FixedTransport(Broker().send)))
+        task = asyncio.ensure_future(relay.run(FixedTransport(Broker().send)))
         await asyncio.sleep(0.1)
         assert not task.done()
         assert relay.claims > 1  # it went on polling
@@ -298,7 +297,7 @@ def test_a_relay_stopped_while_claiming_ends_without_waiting_its_poll_interval()
             return []
 
         relay._claim_batch = slow_claim  # type: ignore[method-assign]
-        relay._task = asyncio.ensure_future(relay.run(_FixedTransport(Broker().send)))
+        relay._task = asyncio.ensure_future(relay.run(FixedTransport(Broker().send)))
         await claiming.wait()
         stopping = asyncio.ensure_future(relay.stop(30.0))
         await asyncio.sleep(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lily_mongo import ShutdownReport
-from lily_mongo._lifecycle.lifecycle import ShutdownAction
+from lily_mongo._supervision import ShutdownAction
 
 
 @pytest.mark.parametrize(

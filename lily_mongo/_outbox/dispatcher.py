@@ -1,0 +1,230 @@
+"""Dispatch after commit: a committed transaction's records published from memory, marked in batches
+(docs/outbox.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import datetime
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from .._observer import NO_OBSERVER, Observer
+from .._tasks import TaskSet
+from . import protocol
+from .options import OutboxOptions
+from .outcomes import OutboxCounters, write_outcomes
+from .protocol import Claim, Clock, Failure, utcnow
+from .publishing import LeftToRelay, Transport, publish_batch
+
+if TYPE_CHECKING:
+    from pymongo.asynchronous.collection import AsyncCollection
+log = logging.getLogger("lily_mongo")
+
+# The dispatcher holds at most this many committed records in memory, and this many bytes of
+# their bodies; past either, a transaction's records wait for a relay instead.
+DISPATCH_QUEUE_LIMIT = 10_000
+DISPATCH_QUEUE_BYTES = 64 * 1024 * 1024
+
+# -- dispatch after commit --------------------------------------------------------------------------
+
+
+class OutboxDispatcher:
+    """Publishes committed records from memory right after their commit; marks them in batches.
+
+    One per process. Its claim token is on every record its writers insert while it
+    runs (:meth:`claim`); a relay takes a record only once that claim expired or was
+    released after a failed publish.
+    """
+
+    def __init__(
+        self,
+        majority: AsyncCollection[Any],
+        options: OutboxOptions,
+        owner: str,
+        counters: OutboxCounters,
+        *,
+        observer: Observer = NO_OBSERVER,
+        clock: Clock = utcnow,
+    ) -> None:
+        self._majority = majority
+        self._options = options
+        self._owner = owner
+        self._counters = counters
+        self._observer = observer
+        self._clock = clock
+        self.token = uuid.uuid4().hex
+        self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._queued_bytes = 0
+        self._wake = asyncio.Event()
+        self._mark_wake = asyncio.Event()
+        self._progress = asyncio.Event()
+        self._marks: list[str] = []
+        self._failures: list[tuple[Any, Failure]] = []
+        self._marks_since: float | None = None
+        self._publishing = False
+        self._flushing = False
+        self._flush_now = 0
+        self._running = False
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    @property
+    def counters(self) -> OutboxCounters:
+        """What it did, shared with the process's relay (the snapshot's figures)."""
+        return self._counters
+
+    def claim(self) -> Claim | None:
+        """The claim a new transaction's records are born with, or None while the dispatcher is not running."""
+        if not self._running:
+            return None
+        expires = self._clock() + datetime.timedelta(seconds=self._options.claim_seconds)
+        return Claim(self._owner, self.token, expires)
+
+    def submit(self, records: list[dict[str, Any]]) -> None:
+        """A committed transaction's records (claimed by this dispatcher): publish them now, in order.
+
+        While the broker is away the queue stops growing at :data:`DISPATCH_QUEUE_LIMIT`
+        records or :data:`DISPATCH_QUEUE_BYTES` of bodies: a transaction's records past it
+        stay in MongoDB, claimed until the claim expires, and a relay publishes them.
+        """
+        if not self._running or not records:
+            return
+        size = sum(len(record["body"]) for record in records)
+        if self._queue and (
+            len(self._queue) + len(records) > DISPATCH_QUEUE_LIMIT or self._queued_bytes + size > DISPATCH_QUEUE_BYTES
+        ):
+            self._counters.left_to_relay(len(records), "the dispatch queue is full (is the broker reachable?)")
+            return
+        self._queued_bytes += size
+        committed = utcnow()
+        for record in records:
+            record["committed_at"] = committed  # in memory only: the relay-lag histogram starts here
+        self._queue.extend(records)
+        self._wake.set()
+
+    def start(self, transport: Transport, tasks: TaskSet) -> None:
+        """Start publishing and marking, tasks of the supervisor's."""
+        self._running = True
+        self._tasks = [
+            tasks.spawn(self._publish_loop(transport), name="lily-outbox-dispatch"),
+            tasks.spawn(self._mark_loop(), name="lily-outbox-marks"),
+        ]
+
+    def _busy(self) -> bool:
+        return bool(self._queue or self._publishing or self._marks or self._failures or self._flushing)
+
+    async def drain(self) -> None:
+        """Wait until every submitted record is published (or failed) and its mark written."""
+        self._flush_now += 1
+        self._mark_wake.set()
+        try:
+            while True:
+                self._progress.clear()
+                if not self._busy() or not self._running:
+                    return
+                await self._progress.wait()
+        finally:
+            self._flush_now -= 1
+
+    async def stop(self, timeout: float) -> bool:
+        """Publish and mark what was submitted (within ``timeout``), then stop; True if the tasks ended.
+
+        Records still in memory after that stay claimed until their claim expires; a relay publishes them.
+        """
+        if self._running:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.drain(), timeout)
+        self._running = False
+        for task in self._tasks:
+            task.cancel()
+        pending: set[asyncio.Task[Any]] = set()
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=max(timeout, 0.1))
+        self._tasks = []
+        self._queue.clear()
+        self._queued_bytes = 0
+        return not pending
+
+    async def _publish_loop(self, transport: Transport) -> None:
+        batch_size = self._options.batch_size
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                self._progress.set()
+                await self._wake.wait()
+                continue
+            batch = [self._queue.popleft() for _ in range(min(batch_size, len(self._queue)))]
+            self._queued_bytes -= sum(len(record["body"]) for record in batch)
+            self._publishing = True
+            try:
+                await self._dispatch(batch, transport)
+            except Exception:  # a bug, not a record's failure: those records expire to a relay
+                log.exception("outbox dispatch failed; the records are left to the relay")
+            finally:
+                self._publishing = False
+                self._progress.set()
+
+    async def _dispatch(self, batch: list[dict[str, Any]], transport: Transport) -> None:
+        # Publish a record only if its claim outlasts the confirm and the mark: one that runs out
+        # sooner (a long transaction, a wait for the broker) is the relay's, and publishing it
+        # here too could publish it twice. Asked once the channel is there (docs/outbox.md).
+        margin = transport.timeout + self._options.mark_interval
+        clock = self._clock
+
+        def keep(record: dict[str, Any]) -> bool:
+            return protocol.claim_lasts(record, clock(), margin)
+
+        results = await publish_batch(batch, transport, self._observer, via="dispatch", keep=keep)
+        counters = self._counters
+        left = 0
+        for record, result in zip(batch, results, strict=True):
+            if result is None:
+                counters.confirmed(record)
+                self._marks.append(record["_id"])
+            elif isinstance(result, LeftToRelay):
+                left += 1
+            else:
+                self._failures.append((record["_id"], counters.failure(record, result)))
+        if left:
+            counters.left_to_relay(left, "their claim would run out before the confirm and the mark")
+        if not self._marks and not self._failures:
+            return
+        if self._marks_since is None:
+            self._marks_since = time.monotonic()
+        self._mark_wake.set()
+
+    async def _mark_loop(self) -> None:
+        options = self._options
+        while True:
+            if not self._marks and not self._failures:
+                self._mark_wake.clear()
+                self._progress.set()
+                await self._mark_wake.wait()
+                continue
+            # Wait for a full batch, the mark interval, or a drain: one write for many records.
+            since = self._marks_since if self._marks_since is not None else time.monotonic()
+            while len(self._marks) < options.batch_size and not self._flush_now:
+                remaining = since + options.mark_interval - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._mark_wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._mark_wake.wait(), remaining)
+            marks, self._marks = self._marks[: options.batch_size], self._marks[options.batch_size :]
+            failures, self._failures = self._failures, []
+            self._marks_since = time.monotonic() if self._marks else None
+            self._flushing = True
+            try:
+                await write_outcomes(
+                    self._majority, self._counters, options, self.token, marks, failures, self._clock()
+                )
+            finally:
+                self._flushing = False
+                self._progress.set()

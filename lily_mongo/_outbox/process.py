@@ -1,0 +1,150 @@
+"""One process's outbox: writers for its transactions, the dispatcher after commit, the backstop relay."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pymongo import AsyncMongoClient
+from pymongo.read_concern import ReadConcern
+from pymongo.write_concern import WriteConcern
+
+from .._inbox import protocol as inbox_records
+from .._observer import NO_OBSERVER, Observer
+from .._tasks import TaskSet
+from .dispatcher import OutboxDispatcher
+from .options import OutboxOptions
+from .outcomes import OutboxCounters
+from .protocol import utcnow
+from .publishing import ChannelTransport, FixedTransport, Send
+from .relay import OutboxRelay
+from .writer import OutboxWriter
+
+if TYPE_CHECKING:
+    import aio_pika.abc
+    from pymongo.asynchronous.client_session import AsyncClientSession
+    from pymongo.asynchronous.collection import AsyncCollection
+log = logging.getLogger("lily_mongo")
+
+# -- one process's outbox ---------------------------------------------------------------------------
+
+
+class ProcessOutbox:
+    """One process's outbox: writers for its transactions, the dispatcher after commit, the backstop relay.
+
+    Built by a consumer's engine, by :class:`Outbox` and by :class:`~lily_mongo.Relay`.
+    ``clock()`` is this process's clock corrected by its offset to the server's, read
+    by :meth:`prepare` (records are inserted without ``$$NOW``).
+    """
+
+    def __init__(
+        self,
+        client: AsyncMongoClient[Any],
+        database: str,
+        options: OutboxOptions,
+        *,
+        owner: str,
+        observer: Observer = NO_OBSERVER,
+    ) -> None:
+        self._client = client
+        self.options = options
+        self.collection: AsyncCollection[Any] = client[database][options.collection]
+        self.majority_reads = self.collection.with_options(read_concern=ReadConcern("majority"))
+        self._observer = observer
+        self._offset = datetime.timedelta(0)
+        self.clock_read = False
+        self.counters = OutboxCounters(options)
+        majority = self.collection.with_options(write_concern=WriteConcern("majority"))
+        self.dispatcher = OutboxDispatcher(majority, options, owner, self.counters, observer=observer, clock=self.clock)
+        self.relay = OutboxRelay(
+            self.collection, options, owner, observer=observer, counters=self.counters, clock=self.clock
+        )
+        self._dispatch_channel: aio_pika.abc.AbstractChannel | None = None
+        self._relaying = False
+
+    def clock(self) -> datetime.datetime:
+        return utcnow() + self._offset
+
+    async def prepare(self, *, indexes: bool = True) -> None:
+        """Read the server's clock (``hello``'s ``localTime``) and create (or verify) the indexes."""
+        await self.read_clock()
+        if indexes:
+            await self.relay.prepare(passive=self.options.passive_indexes)
+
+    async def read_clock(self) -> None:
+        """Read the offset of this process's clock to the server's: records carry times from :meth:`clock`,
+        and a relay compares them with its own corrected clock."""
+        sent = utcnow()
+        hello = await self._client.admin.command("hello")
+        self._offset = inbox_records.clock_offset(hello.get("localTime"), sent, utcnow())
+        self.clock_read = True
+
+    def writer(self, session: AsyncClientSession, writer: str, is_open: Callable[[], bool]) -> OutboxWriter:
+        """The outbox of one transaction on ``session``; ``writer`` names it in its records (``handler``)."""
+        return OutboxWriter(
+            self.collection,
+            session,
+            writer=writer,
+            max_body=self.options.max_body,
+            is_open=is_open,
+            observer=self._observer,
+            clock=self.clock,
+            claim=self.dispatcher.claim,
+        )
+
+    def committed(self, writer: OutboxWriter) -> None:
+        """``writer``'s transaction committed: hand its records to the dispatcher (it does not wait)."""
+        if writer.claim is not None and writer.claim.token == self.dispatcher.token:
+            self.dispatcher.submit(writer.records)
+
+    async def start(
+        self,
+        connection: aio_pika.abc.AbstractConnection,
+        confirm_timeout: float,
+        tasks: TaskSet,
+        *,
+        dispatch: bool = True,
+        relay: bool | None = None,
+    ) -> None:
+        """Dispatch after commit on a confirming channel of ``connection``; relay unless ``run_relay`` is off."""
+        if dispatch:
+            margin = confirm_timeout + self.options.mark_interval
+            if self.options.claim_seconds < 2 * margin:
+                log.warning(
+                    "outbox: OutboxOptions.claim_seconds (%g s) is less than twice the confirm timeout plus the "
+                    "mark interval (%g s): records whose transaction took longer than %g s are left to the relay "
+                    "instead of being published right after the commit",
+                    self.options.claim_seconds,
+                    margin,
+                    max(self.options.claim_seconds - margin, 0.0),
+                )
+            self._dispatch_channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            self.dispatcher.start(ChannelTransport(self._dispatch_channel, confirm_timeout), tasks)
+        if self.options.run_relay if relay is None else relay:
+            self._relaying = True
+            await self.relay.start(connection, confirm_timeout, tasks)
+
+    def start_in_process(self, send: Send, tasks: TaskSet) -> None:
+        """Dispatch after commit through ``send`` (an in-process transport); no relay runs."""
+        self.dispatcher.start(FixedTransport(send), tasks)
+
+    async def dispatched(self) -> None:
+        """Wait until every record handed to the dispatcher is published (or failed) and marked."""
+        await self.dispatcher.drain()
+
+    @property
+    def ready(self) -> bool:
+        """The channels this process publishes on are open."""
+        dispatching = self._dispatch_channel is None or not self._dispatch_channel.is_closed
+        return dispatching and (not self._relaying or (self.relay.channel_open and self.relay.running))
+
+    async def stop(self, timeout: float) -> bool:
+        """Dispatch and mark what was committed, stop the relay after its batch; True if both ended."""
+        dispatcher = await self.dispatcher.stop(timeout)
+        relay = await self.relay.stop(timeout)
+        channel, self._dispatch_channel = self._dispatch_channel, None
+        if channel is not None and not channel.is_closed:
+            await channel.close()
+        return dispatcher and relay

@@ -1,0 +1,239 @@
+"""The backstop relay: due records claimed in batches, published pipelined, marked in one write
+(docs/outbox.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from pymongo.errors import PyMongoError
+from pymongo.write_concern import WriteConcern
+
+from .._mongo import ensure_index
+from .._observer import NO_OBSERVER, Observer
+from .._tasks import TaskSet
+from . import protocol
+from .options import OutboxOptions
+from .outcomes import WARNING_INTERVAL, OutboxCounters, write_outcomes
+from .protocol import Clock, Failure, utcnow
+from .publishing import ChannelTransport, FixedTransport, Send, Transport, publish_batch
+
+if TYPE_CHECKING:
+    import aio_pika.abc
+    from pymongo.asynchronous.collection import AsyncCollection
+log = logging.getLogger("lily_mongo")
+
+# -- the backstop relay -----------------------------------------------------------------------------
+
+
+class OutboxRelay:
+    """The backstop relay: claims due records in batches, publishes them pipelined, marks them in one write.
+
+    One per consumer (``OutboxOptions.run_relay``), per :class:`Outbox` with ``amqp_url``,
+    or alone (:class:`~lily_mongo.Relay`, ``lily-mongo relay``); owned by its supervisor.
+    Idle, it costs one command per ``poll_interval`` and one count per ``count_interval``.
+    """
+
+    def __init__(
+        self,
+        collection: AsyncCollection[Any],
+        options: OutboxOptions,
+        owner: str,
+        *,
+        observer: Observer = NO_OBSERVER,
+        counters: OutboxCounters | None = None,
+        clock: Clock = utcnow,
+    ) -> None:
+        self._collection = collection
+        self._majority = collection.with_options(write_concern=WriteConcern("majority"))
+        self._observer = observer
+        self._options = options
+        self._owner = owner
+        self._clock = clock
+        self.counters = counters if counters is not None else OutboxCounters(options)
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task[Any] | None = None
+        self._channel: aio_pika.abc.AbstractChannel | None = None
+        self._claim_warned = -WARNING_INTERVAL
+
+    # The snapshot's figures (shared with the process's dispatcher).
+    @property
+    def pending(self) -> int | None:
+        return self.counters.pending
+
+    @property
+    def failed(self) -> int | None:
+        return self.counters.failed
+
+    @property
+    def published(self) -> int:
+        return self.counters.published
+
+    @property
+    def unroutable(self) -> int:
+        return self.counters.unroutable
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def channel_open(self) -> bool:
+        return self._channel is not None and not self._channel.is_closed
+
+    async def prepare(self, *, passive: bool) -> None:
+        """Create the outbox's indexes (idempotent), or only verify them in passive mode."""
+        # Only pending records are in it: the published ones (kept for the retention, the bulk of the
+        # collection) cost the claim query nothing.
+        await ensure_index(
+            self._collection,
+            "lily_outbox_due",
+            [("status", 1), ("available_at", 1), ("seq", 1)],
+            passive=passive,
+            partialFilterExpression={"status": protocol.PENDING},
+        )
+        # Parked records, for their count (and an operator's query): a handful, never the published bulk.
+        await ensure_index(
+            self._collection,
+            "lily_outbox_failed",
+            [("status", 1)],
+            passive=passive,
+            partialFilterExpression={"status": protocol.FAILED},
+        )
+        await ensure_index(
+            self._collection, "lily_expires_at_ttl", [("expires_at", 1)], passive=passive, expireAfterSeconds=0
+        )
+
+    async def start(self, connection: aio_pika.abc.AbstractConnection, confirm_timeout: float, tasks: TaskSet) -> None:
+        """Open the relay's confirming channel and start relaying, a task of the supervisor's."""
+        self._channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        self._task = tasks.spawn(self.run(ChannelTransport(self._channel, confirm_timeout)), name="lily-relay")
+
+    async def stop(self, timeout: float) -> bool:
+        """Stop after the in-flight batch is published and marked, or ``timeout`` ends; True if the relay ended.
+
+        A batch cut short keeps its claim until it expires; another relay then publishes it.
+        """
+        self._stopping = True
+        self._wake.set()
+        task = self._task
+        ended = True
+        if task is not None:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=timeout)
+            ended = bool(done)
+        if self._channel is not None and not self._channel.is_closed:
+            await self._channel.close()
+        return ended
+
+    def force(self) -> None:
+        """Cancel the batch in flight (a forced stop): its claims expire and another relay takes those records."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def wake(self) -> None:
+        """Run a relay pass now."""
+        self._wake.set()
+
+    async def run(self, transport: Transport) -> None:
+        """Relay until stopped: claim a batch, publish it pipelined, mark it; poll when idle."""
+        options = self._options
+        next_count = 0.0
+        while not self._stopping:
+            if time.monotonic() >= next_count:
+                await self.refresh_counts()
+                next_count = time.monotonic() + options.count_interval
+            batch: list[dict[str, Any]] = []
+            if transport.ready:
+                # The broker closed the channel (e.g. a record named a missing exchange): the robust
+                # channel reopens it; claim nothing meanwhile.
+                try:
+                    batch = await self._claim_batch()
+                except Exception:  # the database, or a record it cannot hand over (InvalidBSON)
+                    self._warn_claim()
+            if not batch:
+                self._wake.clear()
+                if self._stopping:  # stopped while claiming: its wake-up came before the clear
+                    break
+                wait = min(options.poll_interval, max(next_count - time.monotonic(), 0.0))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=max(wait, 0.001))
+                continue
+            try:
+                await self._relay(batch, transport)
+            except Exception:  # a bug, not a record's failure: the batch's claims expire to the next pass
+                log.exception("outbox relay: a batch failed; its records are published again once their claim expires")
+
+    async def drain(self, send: Send) -> int:
+        """Claim and publish through ``send`` until no record is due; returns how many were published.
+
+        For in-process transports (:class:`lily_mongo.testing.TestConsumer`): the same claim,
+        publish and mark steps as :meth:`run`, without a channel.
+        """
+        transport = FixedTransport(send)
+        before = self.counters.published
+        while batch := await self._claim_batch():
+            await self._relay(batch, transport)
+        await self.refresh_counts()
+        return self.counters.published - before
+
+    async def refresh_counts(self) -> None:
+        """Count pending and failed records, for the snapshot: two counts, each through its partial index
+        (a count of both statuses at once would not imply either index's filter, and scan the collection)."""
+        try:
+            pending = await self._collection.count_documents({"status": protocol.PENDING})
+            failed = await self._collection.count_documents({"status": protocol.FAILED})
+        except PyMongoError:
+            return
+        self.counters.pending, self.counters.failed = pending, failed
+
+    async def _claim_batch(self) -> list[dict[str, Any]]:
+        """Claim up to ``batch_size`` due records in three commands; returns them in publishing order."""
+        size = self._options.batch_size
+        found = await (
+            self._collection.find(protocol.due_filter(self._clock()), {"_id": 1})
+            .sort(protocol.DUE_SORT)
+            .limit(size)
+            .batch_size(size)
+            .to_list()
+        )
+        ids = [doc["_id"] for doc in found]
+        if not ids:
+            return []
+        token = uuid.uuid4().hex
+        claimed = await self._majority.update_many(
+            protocol.claim_filter(ids, self._clock()),
+            protocol.claim_update(self._owner, token, claim_seconds=self._options.claim_seconds),
+        )
+        if not claimed.matched_count:
+            return []  # another relay took them all
+        records = await self._collection.find(protocol.claimed_filter(ids, token)).batch_size(len(ids)).to_list()
+        return protocol.publish_order(records)
+
+    async def _relay(self, batch: list[dict[str, Any]], transport: Transport) -> None:
+        results = await publish_batch(batch, transport, self._observer, via="relay")
+        counters = self.counters
+        marks: list[str] = []
+        failures: list[tuple[Any, Failure]] = []
+        for record, result in zip(batch, results, strict=True):
+            if result is None:
+                counters.confirmed(record)
+                marks.append(record["_id"])
+            else:
+                failures.append((record.get("_id"), counters.failure(record, result)))
+        token = str(batch[0].get("claim_token"))
+        await write_outcomes(self._majority, counters, self._options, token, marks, failures, self._clock())
+
+    def _warn_claim(self) -> None:
+        now = time.monotonic()
+        if now - self._claim_warned >= WARNING_INTERVAL:
+            self._claim_warned = now
+            log.warning("outbox relay: claiming records failed; retrying every poll", exc_info=True)

@@ -1,0 +1,301 @@
+"""The standalone outbox for code outside handlers: ``await outbox.transaction(fn)`` (docs/outbox.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from pymongo import AsyncMongoClient
+from pymongo.errors import PyMongoError
+from pymongo.read_concern import ReadConcern
+from pymongo.write_concern import WriteConcern
+
+from .._amqp import channel_errors, connect_amqp
+from .._backoff import backoff
+from .._checks import check_amqp_url, check_database_name, check_seconds
+from .._errors import CommitOutcomeUnknown, ConfigError, LilyError, TransportError
+from .._inbox import protocol as inbox_records
+from .._mongo import TransactionScope, discard_server_session, error_labels, mongo_error
+from .._observer import NO_OBSERVER, Observer
+from .._tasks import TaskSet
+from .._text import describe_value
+from ..publisher import CustomPublishContent, OpenClose, PublishOptions, TypedPublishing
+from ..telemetry import Telemetry, resolve_telemetry
+from . import protocol
+from .options import TRANSACTION_BACKOFF_BASE, TRANSACTION_BACKOFF_MAX, OutboxOptions, standalone_options
+from .process import ProcessOutbox
+from .writer import OutboxWriter
+
+if TYPE_CHECKING:
+    import aio_pika.abc
+    from pymongo.asynchronous.client_session import AsyncClientSession
+    from pymongo.asynchronous.database import AsyncDatabase
+T = TypeVar("T")
+
+# -- the standalone outbox ----------------------------------------------------------------------------
+
+
+class OutboxTransaction(TransactionScope, TypedPublishing):
+    """What :meth:`Outbox.transaction`'s function receives: the session, the database and the outbox.
+
+    Valid while the function runs; pass ``session=tx.session`` to every operation that
+    belongs to the transaction. ``publish_json/text/binary`` and ``publish`` validate and
+    return the event id exactly like a handler's ``mongo.outbox``.
+    """
+
+    __slots__ = ("_writer",)
+
+    _closed_message = "this transaction has ended; its session and outbox cannot be used any more"
+
+    def __init__(self, session: AsyncClientSession, database: AsyncDatabase[Any], writer: OutboxWriter) -> None:
+        super().__init__(session, database)
+        self._writer = writer
+
+    def __repr__(self) -> str:
+        return f"<OutboxTransaction open={self._open} written={self._writer.written}>"
+
+    async def _publish[T](
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, version: int, options: PublishOptions
+    ) -> uuid.UUID:
+        self._check()
+        return await self._writer.publish(content, routing_key, payload, version=version, **options)
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class _Step(enum.Enum):
+    COMMITTED = "committed"
+    REPLAY = "replay"  # not committed: run fn again in a fresh transaction
+
+
+class Outbox(OpenClose):
+    """The transactional outbox for code outside handlers (a web endpoint, a script).
+
+    ``await outbox.transaction(fn)`` runs ``fn(tx)`` in a fresh session and transaction
+    and returns its result; messages staged with ``tx.publish_*`` commit with the
+    business writes or not at all. Without ``amqp_url`` it only writes: nothing needs
+    starting, and a relay (a consumer's, or ``lily-mongo relay``) publishes the records.
+    With ``amqp_url``, ``async with Outbox(...)`` owns a connection, publishes each
+    transaction's records right after its commit and runs a backstop relay unless
+    ``options.run_relay`` is off (docs/outbox.md). ``mongo_client`` is the caller's.
+    """
+
+    def __init__(
+        self,
+        mongo_client: AsyncMongoClient[Any],
+        database: str,
+        *,
+        amqp_url: str | None = None,
+        options: OutboxOptions | None = None,
+        name: str = "outbox",
+        confirm_timeout: float = 10.0,
+        telemetry: bool | Telemetry = True,
+    ) -> None:
+        if not isinstance(mongo_client, AsyncMongoClient):
+            raise ConfigError(f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}")
+        check_database_name("database", database)
+        if amqp_url is not None:
+            check_amqp_url("amqp_url", amqp_url)
+        options = standalone_options(options, name)
+        self._client = mongo_client
+        self._database = mongo_client[database]
+        self._url = amqp_url
+        self._options = options
+        self._name = name
+        self._confirm_timeout = check_seconds("confirm_timeout", confirm_timeout, low=0, high=3600, low_inclusive=False)
+        observer: Observer = resolve_telemetry(telemetry) or NO_OBSERVER
+        self._runtime = ProcessOutbox(
+            mongo_client, database, options, owner=f"{name[:64]}:{uuid.uuid4().hex[:12]}", observer=observer
+        )
+        self._tasks = TaskSet()
+        self._connection: aio_pika.abc.AbstractConnection | None = None
+        self._state = _State.NEW
+
+    def __repr__(self) -> str:
+        return f"<Outbox name={self._name!r} state={self._state.value} dispatch={self._url is not None}>"
+
+    @property
+    def options(self) -> OutboxOptions:
+        return self._options
+
+    @property
+    def runtime(self) -> ProcessOutbox:
+        """The process's outbox parts (dispatcher, relay, counters)."""
+        return self._runtime
+
+    async def open(self) -> None:
+        """With ``amqp_url``: connect, read the server's clock, create the indexes, start dispatching (and
+        the relay). Without: nothing to start."""
+        if self._state is _State.CLOSED:
+            raise LilyError("this Outbox is closed and cannot be reopened")
+        if self._state is _State.OPEN:
+            return
+        if self._url is None:
+            self._state = _State.OPEN
+            return
+        connection = await connect_amqp(self._url)
+        try:
+            try:
+                await self._runtime.prepare()
+            except PyMongoError as exc:
+                raise mongo_error(exc, "the outbox set-up") from exc
+            with channel_errors("starting the outbox"):
+                await self._runtime.start(connection, self._confirm_timeout, self._tasks)
+        except BaseException:
+            await self._runtime.stop(1.0)
+            await connection.close()
+            raise
+        self._connection = connection
+        self._state = _State.OPEN
+
+    async def close(self) -> None:
+        """Publish and mark what was committed (within ``confirm_timeout``), stop, close the connection.
+
+        Records not published by then stay in the collection; a relay publishes them."""
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        try:
+            await self._runtime.stop(self._confirm_timeout)
+            leftovers = self._tasks.pending()
+            for task in leftovers:
+                task.cancel()
+            await self._tasks.join(leftovers, self._confirm_timeout)
+        finally:
+            if self._connection is not None:
+                connection, self._connection = self._connection, None
+                await connection.close()
+
+    def _require_usable(self) -> None:
+        if self._state is _State.CLOSED:
+            raise LilyError("this Outbox is closed")
+        if self._url is not None and self._state is not _State.OPEN:
+            raise LilyError("an Outbox with amqp_url dispatches after commit: use `async with Outbox(...)` first")
+
+    async def transaction(self, fn: Callable[[OutboxTransaction], Awaitable[T]]) -> T:
+        """Run ``fn(tx)`` in a fresh session and transaction, commit, dispatch its records; return ``fn``'s result.
+
+        ``fn`` runs again in a fresh transaction after a ``TransientTransactionError`` (by label),
+        at most ``options.transaction_retries`` times, with jittered backoff. An unknown commit
+        result retries the same commit (``options.commit_retries``), then reads one of the
+        transaction's own records with majority read concern: present, it committed; absent
+        (or no record written) raises :class:`~lily_mongo.CommitOutcomeUnknown` (``fn`` is never
+        re-run to find out). Any other exception from ``fn`` aborts and propagates unchanged.
+        """
+        self._require_usable()
+        if not self._runtime.clock_read:  # without amqp_url nothing was opened: read it on first use
+            try:
+                await self._runtime.read_clock()
+            except PyMongoError as exc:
+                raise mongo_error(exc, "reading the server's clock") from exc
+        retries = self._options.transaction_retries
+        replays = 0
+        while True:
+            step, result, writer = await self._run(fn)
+            if step is _Step.COMMITTED:
+                assert writer is not None
+                self._runtime.committed(writer)
+                return cast("T", result)
+            if replays >= retries:
+                raise TransportError(
+                    f"the transaction did not commit after {replays + 1} runs (TransientTransactionError each "
+                    f"time; OutboxOptions.transaction_retries={retries}); nothing was committed"
+                )
+            replays += 1
+            await asyncio.sleep(
+                backoff(replays, base=TRANSACTION_BACKOFF_BASE, cap=TRANSACTION_BACKOFF_MAX, jitter=random.random())
+            )
+
+    async def _run(
+        self, fn: Callable[[OutboxTransaction], Awaitable[T]]
+    ) -> tuple[_Step, T | None, OutboxWriter | None]:
+        """One run of ``fn`` in its own session and transaction, then the commit loop."""
+        session = self._client.start_session(causal_consistency=False)
+        try:
+            await session.start_transaction(
+                read_concern=ReadConcern("snapshot"), write_concern=WriteConcern("majority")
+            )
+            tx: OutboxTransaction | None = None
+            writer = self._runtime.writer(session, self._name, lambda: tx is not None and tx.is_open)
+            tx = OutboxTransaction(session, self._database, writer)
+            try:
+                result = await fn(tx)
+            except PyMongoError as exc:
+                tx.close()
+                await _abort(session)
+                if inbox_records.TRANSIENT_LABEL in error_labels(exc):
+                    return _Step.REPLAY, None, None
+                raise
+            except BaseException:
+                tx.close()
+                await _abort(session)
+                raise
+            tx.close()
+            return await self._commit(session, writer), result, writer
+        finally:
+            await session.end_session()
+
+    async def _commit(self, session: AsyncClientSession, writer: OutboxWriter) -> _Step:
+        """Commit; on an unknown result retry the same commit, then read the transaction's record back."""
+        try:
+            await session.commit_transaction()
+            return _Step.COMMITTED
+        except PyMongoError as exc:
+            if inbox_records.classify_error(error_labels(exc), in_commit=True) is inbox_records.ErrorStep.REPLAY:
+                discard_server_session(session)  # not committed: run fn again
+                return _Step.REPLAY
+            unknown: PyMongoError = exc
+        for retry in range(self._options.commit_retries):
+            await asyncio.sleep(
+                backoff(retry, base=TRANSACTION_BACKOFF_BASE, cap=TRANSACTION_BACKOFF_MAX, jitter=random.random())
+            )
+            try:
+                await session.commit_transaction()
+                return _Step.COMMITTED
+            except PyMongoError as exc:
+                unknown = exc
+                step = inbox_records.classify_error(error_labels(exc), in_commit=True)
+                if step is not inbox_records.ErrorStep.RETRY_COMMIT:
+                    break
+        discard_server_session(session)
+        found = False
+        if writer.records:
+            try:
+                found = (
+                    await self._runtime.majority_reads.find_one(
+                        {"_id": writer.records[0]["_id"]}, projection={"_id": 1}
+                    )
+                    is not None
+                )
+            except PyMongoError as exc:
+                raise CommitOutcomeUnknown(
+                    f"the commit's outcome is unknown and its outbox record could not be read back "
+                    f"({type(exc).__name__}); check the data before running it again"
+                ) from exc
+        if protocol.read_back(written=writer.written, found=found) is protocol.ReadBack.COMMITTED:
+            return _Step.COMMITTED
+        what = (
+            "its outbox record is not visible with majority read concern"
+            if writer.records
+            else "it wrote no outbox record to read back"
+        )
+        raise CommitOutcomeUnknown(
+            f"the commit's outcome is unknown after {self._options.commit_retries} commit retries and {what}; "
+            "it may or may not have committed: check the data before running it again"
+        ) from unknown
+
+
+async def _abort(session: AsyncClientSession) -> None:
+    if session.in_transaction:
+        try:
+            await session.abort_transaction()
+        except PyMongoError:
+            discard_server_session(session)

@@ -1,0 +1,109 @@
+"""A transaction's outgoing messages: one record inserted per message, born claimed by the dispatcher
+(docs/outbox.md)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+from .._errors import ScopeClosedError
+from .._observer import NO_OBSERVER, Observer
+from ..publisher import CustomPublishContent, PublishOptions, TypedPublishing, prepare_publication
+from . import protocol
+from .protocol import Claim, Clock, utcnow
+
+if TYPE_CHECKING:
+    from pymongo.asynchronous.client_session import AsyncClientSession
+    from pymongo.asynchronous.collection import AsyncCollection
+
+# -- the writer -----------------------------------------------------------------------------------
+
+
+class OutboxWriter(TypedPublishing):
+    """The outgoing messages of one transaction, inserted in it; valid while its scope is open.
+
+    A handler gets it as ``mongo.outbox``; :class:`OutboxTransaction` wraps one. ``records``
+    are the documents inserted, in write order, for the dispatcher once committed.
+    """
+
+    __slots__ = (
+        "_claim",
+        "_clock",
+        "_collection",
+        "_is_open",
+        "_max_body",
+        "_next_seq",
+        "_observer",
+        "_session",
+        "_writer",
+        "_written_at",
+        "claim",
+        "records",
+    )
+
+    def __init__(
+        self,
+        collection: AsyncCollection[Any],
+        session: AsyncClientSession,
+        *,
+        writer: str,
+        max_body: int,
+        is_open: Callable[[], bool],
+        observer: Observer = NO_OBSERVER,
+        clock: Clock = utcnow,
+        claim: Callable[[], Claim | None] | None = None,
+    ) -> None:
+        self._collection = collection
+        self._session = session
+        self._writer = writer
+        self._max_body = max_body
+        self._is_open = is_open
+        self._observer = observer
+        self._clock = clock
+        self._claim = claim
+        self._written_at = protocol.EPOCH
+        self._next_seq = 0  # taken before the insert's await: concurrent publishes get distinct positions
+        self.claim: Claim | None = None
+        self.records: list[dict[str, Any]] = []
+
+    def __repr__(self) -> str:
+        return f"<OutboxWriter written={len(self.records)} open={self._is_open()}>"
+
+    @property
+    def written(self) -> int:
+        """How many records this transaction wrote."""
+        return len(self.records)
+
+    async def _publish[T](
+        self, content: CustomPublishContent[T], routing_key: str, payload: T, version: int, options: PublishOptions
+    ) -> uuid.UUID:
+        if not self._is_open():
+            raise ScopeClosedError("the outbox of a finished transaction cannot be used")
+        self._observer.outbox_record(cast("dict[str, Any]", options))  # it may add the trace context
+        publication = prepare_publication(
+            content, routing_key, payload, version=version, max_body=self._max_body, **options
+        )
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        if seq == 0:
+            # One time and one claim per transaction: its records sort together, in write order.
+            self._written_at = self._clock()
+            self.claim = self._claim() if self._claim is not None else None
+        record = protocol.new_record(
+            record_id=uuid.uuid4().hex,
+            event_id=str(publication.event_id),
+            exchange=publication.exchange,
+            routing_key=publication.routing_key,
+            body=publication.body,
+            headers=publication.headers,
+            content_type=publication.content_type,
+            writer=self._writer,
+            written_at=self._written_at,
+            seq=seq,
+            claim=self.claim,
+        )
+        await self._collection.insert_one(record, session=self._session)
+        self.records.append(record)
+        if len(self.records) > 1 and self.records[-2]["seq"] > seq:  # concurrent publishes finished out of order
+            self.records.sort(key=lambda r: r["seq"])
+        return publication.event_id
