@@ -51,20 +51,20 @@ VARIANT_ENV = "LILY_BENCH_FRAME_VARIANT"
 
 def apply(variant: str) -> None:
     """Set the child's patches to ``variant`` before it connects."""
-    import lily_mongo._engine.engine as runtime
+    import lily_mongo._engine.intake as intake
 
     if variant in ("stock", "queue"):
         real = patches.installed_version
         patches.installed_version = lambda name: "999.0" if name == "aiormq" else real(name)  # type: ignore[assignment]
         patches.active.cache_clear()
     if variant == "receiver":
-        runtime.unbounded_frame_queue = lambda channel: None  # type: ignore[assignment]
+        intake.unbounded_frame_queue = lambda channel: None  # type: ignore[assignment]
     if variant == "queue":
 
         def lift(channel: Any) -> None:
             channel.frames._maxsize = 0
 
-        runtime.unbounded_frame_queue = lift  # type: ignore[assignment]
+        intake.unbounded_frame_queue = lift  # type: ignore[assignment]
 
 
 def spread(values: list[float], fmt: str) -> str:

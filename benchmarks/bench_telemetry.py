@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/bench_telemetry.py [--messages 2500] [--rounds 7] [--traceparent]``
 
-A ``Runtime`` fed through its in-process seam (``Runtime.deliver``) runs an
+An ``Engine`` fed through its in-process seam (``Engine.deliver``) runs an
 at-least-once no-op ``Json[Item]`` handler over prepared messages whose ACK
 does nothing, and the process CPU time per delivery is measured for:
 
@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanKind
 
 from lily_mongo import Consumer, Json, RetryPolicy, queue
-from lily_mongo._engine.engine import Runtime
+from lily_mongo._engine.engine import Engine
 from lily_mongo._observer import NO_OBSERVER
 from lily_mongo._tasks import TaskSet
 from lily_mongo.publisher import JSON, prepare_publication
@@ -71,7 +72,7 @@ class _Channel:
 
 
 class Message:
-    """A received delivery whose settlement does nothing (the engine's ``Received``)."""
+    """A received delivery whose settlement does nothing (the engine's ``InboundMessage``)."""
 
     content_type = "application/json"
     redelivered = False
@@ -111,14 +112,16 @@ def messages(count: int, *, traced: bool = False) -> list[Message]:
     return out
 
 
+async def no_handoff(_message: Any, _routing_key: str, _headers: Mapping[str, Any]) -> None:
+    """No delivery of this benchmark is handed off (every handler succeeds)."""
+
+
 async def cpu_per_delivery(telemetry: Telemetry | None, batch: list[Message]) -> float:
     consumer = Consumer(amqp_url="amqp://unused/", name="bench", telemetry=False)
     consumer.configure_queue(QUEUE, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=0, delays=()))
     consumer.include(handle)
-    runtime = Runtime(
-        consumer.plan(), None, TaskSet(), inbox=None, confirm_timeout=1.0, observer=telemetry or NO_OBSERVER
-    )
-    runtime.open_in_process()
+    runtime = Engine(consumer.plan(), TaskSet(), inbox=None, handoff=no_handoff, observer=telemetry or NO_OBSERVER)
+    runtime.open()
     for message in batch[:200]:  # warm-up
         await runtime.deliver(QUEUE, message)
     started = time.process_time()

@@ -17,7 +17,7 @@ from ._errors import (
     ScopeClosedError,
     TransportError,
 )
-from ._inbox.inbox import InboxOptions, MongoScope
+from ._inbox import InboxOptions, MongoScope
 from ._lifecycle import Consumer, ManagedConsumer
 from ._outbox import Outbox, OutboxOptions, OutboxTransaction, Relay
 from ._plan.extractors import (

@@ -21,17 +21,30 @@ one call of an empty method (docs/observability.md).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from ._engine.settlement import Execution, PipelineResult
     from ._snapshots import Snapshot
+    from ._verdicts import Execution, PipelineResult
 
-__all__ = ["NO_DELIVERY", "NO_OBSERVER", "DeliveryObserver", "Observer", "Send", "SnapshotSource"]
+__all__ = ["NO_DELIVERY", "NO_OBSERVER", "ClaimAnswer", "DeliveryObserver", "Observer", "PublishWith", "SnapshotSource"]
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+PublishWith = Callable[[dict[str, Any]], Awaitable[None]]
 """``send(headers)``: publish with this header table (the observer may add its trace context)."""
+
+C = TypeVar("C", bound="ClaimAnswer")
+
+
+class ClaimAnswer(Protocol):
+    """What a lease claim concluded (the inbox protocol's ``Claim``): its kind, the event's deferrals so far."""
+
+    @property
+    def kind(self) -> enum.Enum: ...
+    @property
+    def deferrals(self) -> int: ...
+
 
 SnapshotSource = Callable[[], "tuple[Snapshot, tuple[str, ...]]"]
 """Returns a consumer's snapshot and its queue names in plan order (``QueueSnapshot.queue_index``)."""
@@ -45,7 +58,7 @@ class DeliveryObserver(Protocol):
         ...
 
     def handoff(
-        self, send: Send, routing_key: str, headers: dict[str, Any], *, dead_letter: bool, code: str | None
+        self, send: PublishWith, routing_key: str, headers: dict[str, Any], *, dead_letter: bool, code: str | None
     ) -> Awaitable[None]:
         """The delivery's retry or DLQ copy, published through ``send``."""
         ...
@@ -66,8 +79,8 @@ class Observer(Protocol):
 
     def delivery_started(self, queue: str, headers: Mapping[str, Any]) -> DeliveryObserver: ...
 
-    def inbox_claim(self, claim: Awaitable[dict[str, Any]], owner: str) -> Awaitable[dict[str, Any]]:
-        """The lease claim of ``owner``, answering the record after it."""
+    def inbox_claim(self, claim: Awaitable[C]) -> Awaitable[C]:
+        """The lease claim, answering what it concluded."""
         ...
 
     def inbox_attempt(
@@ -85,13 +98,13 @@ class Observer(Protocol):
         the current trace context, which the relay's publish continues)."""
         ...
 
-    def relay_publish(self, send: Send, record: Mapping[str, Any], *, via: str = "relay") -> Awaitable[None]:
+    def relay_publish(self, send: PublishWith, record: Mapping[str, Any], *, via: str = "relay") -> Awaitable[None]:
         """An outbox ``record`` is published (its message, with the ``headers`` it stored): ``via`` is
         ``"dispatch"`` (right after its commit, from memory) or ``"relay"`` (the backstop relay)."""
         ...
 
     def publish(
-        self, send: Send, *, exchange: str, routing_key: str, headers: dict[str, Any], event_id: object
+        self, send: PublishWith, *, exchange: str, routing_key: str, headers: dict[str, Any], event_id: object
     ) -> Awaitable[None]:
         """A :class:`~lily_mongo.Publisher` publish of event ``event_id``."""
         ...
@@ -112,7 +125,7 @@ class _NoDelivery:
         pass
 
     def handoff(
-        self, send: Send, routing_key: str, headers: dict[str, Any], *, dead_letter: bool, code: str | None
+        self, send: PublishWith, routing_key: str, headers: dict[str, Any], *, dead_letter: bool, code: str | None
     ) -> Awaitable[None]:
         return send(headers)
 
@@ -133,7 +146,7 @@ class _NoObserver:
     def delivery_started(self, queue: str, headers: Mapping[str, Any]) -> DeliveryObserver:
         return NO_DELIVERY
 
-    def inbox_claim(self, claim: Awaitable[dict[str, Any]], owner: str) -> Awaitable[dict[str, Any]]:
+    def inbox_claim(self, claim: Awaitable[C]) -> Awaitable[C]:
         return claim
 
     def inbox_attempt(
@@ -150,11 +163,11 @@ class _NoObserver:
     def outbox_record(self, options: MutableMapping[str, Any]) -> None:
         pass
 
-    def relay_publish(self, send: Send, record: Mapping[str, Any], *, via: str = "relay") -> Awaitable[None]:
+    def relay_publish(self, send: PublishWith, record: Mapping[str, Any], *, via: str = "relay") -> Awaitable[None]:
         return send(record["headers"])
 
     def publish(
-        self, send: Send, *, exchange: str, routing_key: str, headers: dict[str, Any], event_id: object
+        self, send: PublishWith, *, exchange: str, routing_key: str, headers: dict[str, Any], event_id: object
     ) -> Awaitable[None]:
         return send(headers)
 

@@ -13,6 +13,7 @@ from ._errors import LilyError
 
 log = logging.getLogger("lily_mongo")
 
+
 class State(enum.Enum):
     """Lifecycle states of a consumer, in order; a consumer starts once."""
 

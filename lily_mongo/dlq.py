@@ -37,7 +37,7 @@ import aiormq.abc
 from pamqp import commands as spec
 from yarl import URL
 
-from ._amqp import InboundMessage, channel_errors, connect_amqp, publish_properties
+from ._amqp import AmqpMessage, channel_errors, connect_amqp, publish_properties
 from ._checks import check_int, check_seconds
 from ._errors import ConfigError, TransportError
 from ._plan.plan import QueueOptions
@@ -253,15 +253,15 @@ class _Session:
                     await channel.close()
         return int(declared.declaration_result.message_count or 0)
 
-    async def get(self) -> InboundMessage | None:
+    async def get(self) -> AmqpMessage | None:
         assert self.reader is not None
         with channel_errors(f"reading {self.dlq!r}"):
             delivered = await self.reader.basic_get(self.dlq, no_ack=False)
         if not isinstance(delivered.delivery, spec.Basic.GetOk):
             return None
-        return InboundMessage(delivered)
+        return AmqpMessage(delivered)
 
-    async def put_back(self, message: InboundMessage, timeout: float) -> None:
+    async def put_back(self, message: AmqpMessage, timeout: float) -> None:
         """Move ``message`` to the end of the DLQ as a fresh copy (confirmed), then ACK it.
 
         A message read leniently (its metadata was not valid UTF-8) is requeued instead:
@@ -289,7 +289,7 @@ class _Session:
                 raise
             await message.ack()
 
-    async def move(self, message: InboundMessage, headers: Mapping[str, Any], timeout: float) -> None:
+    async def move(self, message: AmqpMessage, headers: Mapping[str, Any], timeout: float) -> None:
         """Publish ``message`` with ``headers`` to the work queue (confirmed), then ACK the DLQ copy."""
         assert self.publisher is not None
         with channel_errors(f"moving a message of {self.dlq!r} to {self.queue!r}"):

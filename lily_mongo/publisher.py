@@ -199,10 +199,18 @@ class TypedPublishing:
         raise NotImplementedError
 
 
+class ResourceState(enum.Enum):
+    """Where an :class:`OpenClose` resource is: a closed one is never opened again."""
+
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
 class OpenClose:
     """``async with`` on top of ``open()`` and ``close()``: opened on the way in, closed on the way out.
 
-    Shared by :class:`Publisher` and the standalone outbox.
+    Shared by :class:`Publisher` and the standalone outbox, whose state is a :class:`ResourceState`.
     """
 
     async def open(self) -> None:
@@ -217,12 +225,6 @@ class OpenClose:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-
-class _State(enum.Enum):
-    NEW = "new"
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 class Publisher(OpenClose, TypedPublishing):
@@ -254,16 +256,16 @@ class Publisher(OpenClose, TypedPublishing):
         self._connection: aio_pika.abc.AbstractConnection | None = None
         self._confirm_timeout = confirm_timeout
         self._observer: Observer = resolve_telemetry(telemetry) or NO_OBSERVER
-        self._state = _State.OPEN if channel is not None else _State.NEW
+        self._state = ResourceState.OPEN if channel is not None else ResourceState.NEW
 
     def __repr__(self) -> str:
         return f"<Publisher state={self._state.value}>"
 
     async def open(self) -> None:
         """Connect (when built from a URL) and open a confirming channel."""
-        if self._state is _State.CLOSED:
+        if self._state is ResourceState.CLOSED:
             raise LilyError("Publisher is closed and cannot be reopened")
-        if self._state is _State.OPEN:
+        if self._state is ResourceState.OPEN:
             return
         assert self._url is not None
         self._connection = await connect_amqp(self._url)
@@ -272,18 +274,18 @@ class Publisher(OpenClose, TypedPublishing):
         except BaseException:
             await self._connection.close()
             raise
-        self._state = _State.OPEN
+        self._state = ResourceState.OPEN
 
     async def close(self) -> None:
         """Close the connection if this publisher owns it; idempotent."""
-        self._state = _State.CLOSED
+        self._state = ResourceState.CLOSED
         if self._connection is not None:
             connection, self._connection = self._connection, None
             await connection.close()
 
     async def send(self, publication: Publication) -> uuid.UUID:
         """Publish a prepared :class:`Publication` and wait for its confirm."""
-        if self._state is not _State.OPEN or self._channel is None:
+        if self._state is not ResourceState.OPEN or self._channel is None:
             raise LilyError(f"Publisher is {self._state.value}; open it first")
         underlay = await self._channel.get_underlay_channel()
         publish = functools.partial(

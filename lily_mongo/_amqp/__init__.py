@@ -20,7 +20,7 @@ from __future__ import annotations
 from .coalescer import AckCoalescer
 from .connections import LenientTransport, connect_amqp, frame_path
 from .errors import AMQP_ERRORS, AmqpFailure, amqp_failure, channel_errors, map_amqp_errors
-from .inbound import InboundMessage
+from .inbound import AmqpMessage
 from .lenient import MALFORMED_HEADER, LenientFrameReader
 from .patches import unbounded_frame_queue
 from .publishing import (
@@ -38,7 +38,7 @@ __all__ = [
     "MALFORMED_HEADER",
     "AckCoalescer",
     "AmqpFailure",
-    "InboundMessage",
+    "AmqpMessage",
     "LenientFrameReader",
     "LenientTransport",
     "LilyProperties",

@@ -99,7 +99,7 @@ async def connect_amqp(url: str, *, robust: bool = True) -> aio_pika.abc.Abstrac
     """Open an AMQP connection (robust by default: it reconnects and restores topology).
 
     The connection reads frames through :class:`LenientTransport`: a delivery whose
-    metadata pamqp cannot decode arrives marked (``InboundMessage.malformed``)
+    metadata pamqp cannot decode arrives marked (``AmqpMessage.malformed``)
     instead of closing the connection.
     Raises :class:`TransportError` naming what refused the connection (unreachable,
     login refused, virtual host refused), with the URL's password redacted.

@@ -1,4 +1,4 @@
-"""One consumed delivery as the runtime reads and settles it: :class:`InboundMessage`."""
+"""One consumed delivery as the runtime reads and settles it: :class:`AmqpMessage`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .codec import PROPERTY_NAMES
 from .lenient import MALFORMED_HEADER
 from .publishing import LilyProperties
 
-__all__ = ["InboundMessage"]
+__all__ = ["AmqpMessage"]
 
 
 class _FromFrame[T]:
@@ -29,15 +29,15 @@ class _FromFrame[T]:
     @overload
     def __get__(self, message: None, owner: type[Any]) -> Self: ...
     @overload
-    def __get__(self, message: InboundMessage, owner: type[Any]) -> T: ...
-    def __get__(self, message: InboundMessage | None, owner: type[Any]) -> Self | T:
+    def __get__(self, message: AmqpMessage, owner: type[Any]) -> T: ...
+    def __get__(self, message: AmqpMessage | None, owner: type[Any]) -> Self | T:
         if message is None:
             return self
         value: T = self._read(message)
         return value
 
 
-class InboundMessage:
+class AmqpMessage:
     """One consumed delivery: the fields the pipeline reads, and its settlement on its own channel.
 
     Built from aiormq's delivered frame in the consumer callback. aio-pika's
@@ -95,7 +95,7 @@ class InboundMessage:
             self._acks = None
 
     def __repr__(self) -> str:
-        return f"<InboundMessage tag={self.delivery_tag} routing_key={self.routing_key!r} body={len(self.body)} bytes>"
+        return f"<AmqpMessage tag={self.delivery_tag} routing_key={self.routing_key!r} body={len(self.body)} bytes>"
 
     # Read only on failure paths (handoff copies, failure keys): straight from the frame.
     message_id = _FromFrame[str | None]("message_id")

@@ -47,7 +47,7 @@ from .publishing import LilyProperties
 __all__ = ["MALFORMED_HEADER", "LenientFrameReader"]
 
 # The mark: a header name made of 128 random bits at import, so no message from the wire
-# can carry it; InboundMessage takes it out again before anything reads the headers.
+# can carry it; AmqpMessage takes it out again before anything reads the headers.
 MALFORMED_HEADER = f"x-lily-malformed-{secrets.token_hex(16)}"
 
 _REASON_BYTES = 300

@@ -29,7 +29,7 @@ from .errors import AmqpFailure, map_amqp_errors
 if TYPE_CHECKING:
     import aio_pika.abc
 
-    from .inbound import InboundMessage
+    from .inbound import AmqpMessage
 
 __all__ = [
     "LONG_INT_HEADERS",
@@ -165,7 +165,7 @@ _COPIED_PROPERTIES = ("correlation_id", "reply_to", "app_id", "content_encoding"
 
 async def republish(
     channel: aiormq.abc.AbstractChannel,
-    message: aio_pika.abc.AbstractIncomingMessage | InboundMessage,
+    message: aio_pika.abc.AbstractIncomingMessage | AmqpMessage,
     *,
     routing_key: str,
     headers: Mapping[str, Any],

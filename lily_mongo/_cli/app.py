@@ -45,10 +45,11 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
     raise SystemExit(2) from exc
 
 from .._errors import ConfigError, LilyError, PublishError, TransportError
-from .._inbox import inbox as inbox_records
-from .._inbox.inbox import InboxOptions
+from .._inbox import STAT_COLUMNS, InboxOptions
+from .._inbox import inbox_stats as read_inbox_stats
 from .._lifecycle import Consumer
-from .._mongo import MONGODB, describe_client, mongo_errors, open_mongo
+from .._mongo import describe_client, mongo_errors, open_mongo
+from .._mongo.errors import MONGODB
 from .._outbox import OutboxOptions, Relay
 from .._plan.plan import routes_of
 from .._redact import redact_url, scrub
@@ -838,7 +839,7 @@ def inbox_stats(
                         f"database {database!r} has neither a {records!r} nor an {outbox!r} collection: is it the "
                         "consumer's database? (a consumer with a mongo_client creates them when it starts)",
                     )
-                return await inbox_records.inbox_stats(client[database], options, outbox=outbox_options.collection)
+                return await read_inbox_stats(client[database], options, outbox=outbox_options.collection)
         finally:
             await client.close()
 
@@ -849,11 +850,11 @@ def inbox_stats(
         return
     table = Table(title=f"inbox statistics: {database}")
     table.add_column("handler", overflow="fold", ratio=1)
-    for column in inbox_records.STAT_COLUMNS:
+    for column in STAT_COLUMNS:
         # Two-line headers ("outbox" over "published") keep the table within 80 columns.
         table.add_column(column.replace("_", "\n"), justify="right", no_wrap=True)
     for handler, values in sorted(stats.items()):
-        table.add_row(handler, *(str(values[c]) for c in inbox_records.STAT_COLUMNS))
+        table.add_row(handler, *(str(values[c]) for c in STAT_COLUMNS))
     if not stats:
         console.print(f"inbox statistics: {database}: no records and no outbox records yet")
         return

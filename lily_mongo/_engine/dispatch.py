@@ -21,19 +21,19 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from .._errors import EnvelopeError, ErrorCode, QueueHandlerError
 from .._plan.extractors import NOT_DECODED, Dependency, Parameter, PayloadDecodeError, RawDelivery, new_raw_delivery
 from .._plan.plan import DeliveryContext, HandlerRoute, Middleware, Plan, QueueOptions
 from .._text import truncate_utf8
+from .._verdicts import SUCCESS, Outcome, PipelineResult
 from ..bounds import BOUNDS
 from ..envelope import Envelope, event_id_of, validate_envelope
-from .settlement import SUCCESS, Outcome, PipelineResult
+from .message import InboundMessage
 
 __all__ = [
     "NO_SERVICES",
-    "Inbound",
     "Prepared",
     "Rejected",
     "Services",
@@ -42,27 +42,6 @@ __all__ = [
     "prepare",
     "select_route",
 ]
-
-
-class Inbound(Protocol):
-    """What preparing needs of one delivery (the AMQP adapter's message, or a test's)."""
-
-    @property
-    def headers(self) -> dict[str, Any]: ...
-    @property
-    def body(self) -> bytes: ...
-    @property
-    def content_type(self) -> str | None: ...
-    @property
-    def redelivered(self) -> bool: ...
-    @property
-    def routing_key(self) -> str: ...
-    @property
-    def exchange(self) -> str: ...
-    @property
-    def malformed(self) -> str | None:
-        """None, or which metadata was not valid AMQP text (the transport read it leniently)."""
-        ...
 
 
 @dataclass(slots=True)
@@ -111,7 +90,7 @@ def select_route(plan: Plan, queue_name: str, version: int, content: str) -> Han
     return handler
 
 
-def prepare(plan: Plan, options: QueueOptions, message: Inbound) -> Prepared | Rejected:
+def prepare(plan: Plan, options: QueueOptions, message: InboundMessage) -> Prepared | Rejected:
     """Envelope, handler selection and payload decode: all before any scope or middleware opens."""
     if message.malformed is not None and len(message.body) <= options.max_body:
         # Metadata that was not valid AMQP, read leniently (_amqp.LenientFrameReader): refused.

@@ -19,11 +19,12 @@ import datetime
 import enum
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from .._errors import ErrorCode
 from .._text import sanitize, truncate_utf8
+from .._verdicts import SUCCESS, Outcome, PipelineResult
 from ..bounds import BOUNDS, BROKER_COUNT_HEADERS
 from ..envelope import (
     FAILED_AT_HEADER,
@@ -37,10 +38,7 @@ from ..envelope import (
 __all__ = [
     "Budget",
     "Evidence",
-    "Execution",
     "HandoffState",
-    "Outcome",
-    "PipelineResult",
     "SettleEffects",
     "SettleState",
     "Step",
@@ -50,44 +48,6 @@ __all__ = [
     "handoff_headers",
     "settle",
 ]
-
-
-class Outcome(enum.Enum):
-    """What the pipeline concluded about the delivery."""
-
-    SUCCESS = "success"  # handler ran; required transaction committed
-    DUPLICATE = "duplicate"  # inbox already holds a completion for (handler, event)
-    RETRYABLE = "retryable"  # application failure that may succeed later
-    PERMANENT = "permanent"  # application or contract failure that never will
-    DEFERRED = "deferred"  # lease held elsewhere / lost, replay budget spent, ambiguous commit
-    BODY_TOO_LARGE = "body_too_large"  # broker-native dead-letter, body never copied
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineResult:
-    """The pipeline's verdict, with a stable code and a bounded reason for failures.
-
-    ``exception`` is what the handler (or its middleware, guards or dependencies) raised,
-    kept for the failure log and for tests (docs/handlers.md, section 5); no settlement
-    decision reads it, and it takes no part in comparisons.
-    """
-
-    outcome: Outcome
-    code: str | None = None
-    reason: str = ""
-    exception: BaseException | None = field(default=None, compare=False, repr=False)
-
-
-@dataclass(slots=True)
-class Execution:
-    """What executing a delivery produced: its verdict and the counters behind it."""
-
-    result: PipelineResult
-    deferrals: int = 0  # lease deferrals of this event so far (from the inbox record)
-    attempts: int = 0
-    transient_replays: int = 0
-    reconciliations: int = 0
-    backoff_limit: float | None = None  # e.g. the lease's remaining time
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +242,6 @@ def evidence_of(handoff: HandoffState, settle: SettleState, authority: bool, set
 
 
 FRESH = evidence_of(HandoffState.NONE, SettleState.NONE, True, None)
-SUCCESS = PipelineResult(Outcome.SUCCESS)
 NO_BUDGET = Budget()  # success and duplicate never consult a budget
 _ACKED = evidence_of(HandoffState.NONE, SettleState.SENT, True, StepKind.ACK)
 # The step kinds the loop tells apart, compared by identity: a frozenset membership test

@@ -1,14 +1,15 @@
-"""A consumer's engine, wired in one place for a started consumer and a test consumer alike.
+"""A consumer's parts, wired in one place for a started consumer and a test consumer alike.
 
-:func:`build_engine` makes the parts from a consumer's frozen settings: with a
-MongoDB client, the process's outbox (writers, the dispatcher that publishes a
+:func:`wire` makes the parts from a consumer's frozen settings: with a MongoDB
+client, the process's outbox (writers, the dispatcher that publishes a
 transaction's records right after its commit, the backstop relay) and the inbox
 (whose committed attempts hand their records to the dispatcher), their
-collections prepared and the inbox heartbeat started; the runtime; and
-the telemetry hook-up (the observer every part reports to, and the snapshot the
-observable metrics read). Then :meth:`Engine.start` consumes on an AMQP
-connection (:class:`~lily_mongo.ManagedConsumer`), or :meth:`Engine.open_in_process`
-lets an in-process transport feed the runtime (:class:`~lily_mongo.testing.TestConsumer`).
+collections prepared and the inbox heartbeat started; the engine; with an AMQP
+connection, the intake that feeds it; and the telemetry hook-up (the observer
+every part reports to, and the snapshot the observable metrics read). Then
+:meth:`Wiring.start` consumes on the AMQP connection (:class:`~lily_mongo.ManagedConsumer`),
+or :meth:`Wiring.open_in_process` lets an in-process transport feed the engine
+(:class:`~lily_mongo.testing.TestConsumer`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
 from .._errors import ConfigError
-from .._inbox.inbox import Inbox, InboxOptions
+from .._inbox import Inbox, InboxOptions
 from .._mongo import mongo_error
 from .._observer import NO_OBSERVER, Observer
 from .._outbox import OutboxOptions, ProcessOutbox, Send
@@ -33,13 +34,15 @@ from .._snapshots import Snapshot
 from .._tasks import TaskSet
 from .._text import describe_value
 from .dispatch import Services
-from .engine import Handoff, Runtime
+from .engine import Engine
+from .intake import AmqpIntake
+from .message import Handoff
 
 if TYPE_CHECKING:
     from .._plan.plan import Plan
     from ..telemetry import Telemetry
 
-__all__ = ["ConsumerSettings", "Engine", "Lifespan", "build_engine", "enter_lifespan"]
+__all__ = ["ConsumerSettings", "Lifespan", "Wiring", "enter_lifespan", "wire"]
 
 Lifespan = Callable[[Any], contextlib.AbstractAsyncContextManager[Mapping[str, Any] | None]]
 """``lifespan(consumer)``: an async context manager (an ``@asynccontextmanager`` function) whose
@@ -70,48 +73,53 @@ def _nothing() -> None:
 
 
 @dataclass(slots=True, eq=False)
-class Engine:
-    """One consumer's engine parts; ``unwatch`` stops the metrics reading its snapshot."""
+class Wiring:
+    """One consumer's parts: the engine, its AMQP intake (None in process), the inbox and the process's
+    outbox (None without a MongoDB client); ``unwatch`` stops the metrics reading its snapshot."""
 
     settings: ConsumerSettings
-    runtime: Runtime
+    engine: Engine
+    intake: AmqpIntake | None
     inbox: Inbox | None
     outbox: ProcessOutbox | None
     unwatch: Callable[[], None] = _nothing
 
     def snapshot(self, state: str) -> Snapshot:
         """The consumer's bounded aggregate state, in lifecycle state ``state``."""
-        runtime = self.runtime
+        engine = self.engine
         counters = self.outbox.counters if self.outbox is not None else None
         return Snapshot(
             state=state,
-            transport_generation=runtime.generation,
-            queues=runtime.snapshots(),
+            transport_generation=engine.generation,
+            queues=engine.snapshots(),
             outbox_pending=counters.pending if counters else None,
             outbox_failed=counters.failed if counters else None,
             outbox_published=counters.published if counters else 0,
             outbox_unroutable=counters.unroutable if counters else 0,
         )
 
-    async def start(self, connection: aio_pika.abc.AbstractConnection, tasks: TaskSet) -> None:
-        """Consume on ``connection`` (the runtime's own). The outbox starts first, so the first
-        commit already has a dispatcher; its relay runs unless ``OutboxOptions.run_relay`` is off."""
-        runtime = self.runtime
-        if isinstance(connection, aio_pika.abc.AbstractRobustConnection):
-            connection.reconnect_callbacks.add(lambda *_: runtime.on_reconnect())
+    async def start(self, tasks: TaskSet) -> None:
+        """Consume on the intake's connection. The outbox starts first, so the first commit already
+        has a dispatcher; its relay runs unless ``OutboxOptions.run_relay`` is off."""
+        intake = self.intake
+        assert intake is not None
         if self.outbox is not None:
-            await self.outbox.start(connection, self.settings.confirm_timeout, tasks)
-        await runtime.start()
+            await self.outbox.start(intake.connection, self.settings.confirm_timeout, tasks)
+        await intake.start(self.engine)
+
+    def ready(self) -> bool:
+        """True while every consuming channel and the handoff channel is open."""
+        return self.intake is not None and self.intake.channels_open()
 
     def open_in_process(self, tasks: TaskSet, outbox_send: Send | None = None) -> None:
-        """Accept deliveries through :meth:`Runtime.deliver` (no AMQP). With ``outbox_send``, committed
+        """Accept deliveries through :meth:`Engine.deliver` (no AMQP). With ``outbox_send``, committed
         outbox records are dispatched through it; no relay runs (it is drained by hand)."""
         if self.outbox is not None and outbox_send is not None:
             self.outbox.start_in_process(outbox_send, tasks)
-        self.runtime.open_in_process()
+        self.engine.open()
 
 
-async def build_engine(
+async def wire(
     settings: ConsumerSettings,
     plan: Plan,
     tasks: TaskSet,
@@ -120,7 +128,7 @@ async def build_engine(
     connection: aio_pika.abc.AbstractConnection | None = None,
     handoff: Handoff | None = None,
     resources: Mapping[str, Any] | None = None,
-) -> Engine:
+) -> Wiring:
     """The parts of the consumer ``settings`` describes, running ``plan`` with ``tasks`` as their tasks.
 
     ``state`` returns the lifecycle state the snapshot reports. ``connection`` is the AMQP
@@ -160,21 +168,17 @@ async def build_engine(
         database=client[settings.database] if client is not None and settings.database is not None else None,
         resources=MappingProxyType(dict(resources or {})),
     )
-    runtime = Runtime(
-        plan,
-        connection,
-        tasks,
-        inbox=inbox,
-        confirm_timeout=settings.confirm_timeout,
-        handoff=handoff,
-        observer=observer,
-        services=services,
-    )
-    engine = Engine(settings, runtime, inbox, outbox)
+    intake = None
+    if connection is not None:
+        intake = AmqpIntake(connection, confirm_timeout=settings.confirm_timeout)
+        handoff = intake.handoff
+    assert handoff is not None, "an in-process transport publishes the handoff copies itself"
+    engine = Engine(plan, tasks, inbox=inbox, handoff=handoff, observer=observer, services=services)
+    wiring = Wiring(settings, engine, intake, inbox, outbox)
     names = tuple(plan.queues)
     # Observable instruments read the snapshot when collected.
-    engine.unwatch = observer.watch(lambda: (engine.snapshot(state()), names))
-    return engine
+    wiring.unwatch = observer.watch(lambda: (wiring.snapshot(state()), names))
+    return wiring
 
 
 async def enter_lifespan(

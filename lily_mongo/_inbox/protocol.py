@@ -22,8 +22,9 @@ This module holds both halves of every step:
   MongoDB that evaluates the updates it sends through these transitions; an
   integration test holds each pipeline equal to its transition on a real server;
 * the **consumer side**: what the consumer concludes from what the server
-  answered (:func:`read_claim`, :func:`classify_error`, :func:`reconcile`,
-  :func:`next_after_replay`, :func:`heartbeat_verdict`).
+  answered (:func:`read_claim`, :func:`reconcile`, :func:`heartbeat_verdict`). What a
+  transaction error's labels mean and how many replays a delivery gets are the rules every
+  transaction shares (:mod:`lily_mongo._mongo.rules`).
 
 Pure: no I/O library. Times are server-clock :class:`datetime.datetime` values
 (``$$NOW`` in the pipelines); the consumer's clock never decides an expiry.
@@ -37,17 +38,16 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._clock import aware
+from .._mongo.rules import TRANSIENT_LABEL, ReadBack, read_back_verdict
+
 __all__ = [
     "COMPLETED",
     "DEFERRALS",
     "EXPIRATIONS",
     "LEASED",
-    "TRANSACTION_LABELS",
-    "TRANSIENT_LABEL",
-    "UNKNOWN_COMMIT_LABEL",
     "Claim",
     "ClaimKind",
-    "ErrorStep",
     "FirstClaim",
     "Heartbeat",
     "Reconciled",
@@ -55,8 +55,6 @@ __all__ = [
     "claim_pipeline",
     "claim_transition",
     "claims_in_transaction",
-    "classify_error",
-    "clock_offset",
     "completion_transition",
     "completion_update",
     "count_transition",
@@ -70,7 +68,6 @@ __all__ = [
     "heartbeat_verdict",
     "may_renew",
     "may_try_again_after_expiry",
-    "next_after_replay",
     "outlived",
     "read_claim",
     "read_count",
@@ -88,9 +85,6 @@ LEASED = "leased"
 COMPLETED = "completed"
 # The transaction labels MongoDB attaches to errors: errors are classified by label,
 # never by code or message. ``_mongo.error_labels`` reads exactly these.
-TRANSIENT_LABEL = "TransientTransactionError"
-UNKNOWN_COMMIT_LABEL = "UnknownTransactionCommitResult"
-TRANSACTION_LABELS = (TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL)
 # The record's two counters outside the lease (docs/inbox.md, "Counting deferrals"):
 # deliveries deferred, and attempts whose transaction outlived the server's lifetime limit.
 DEFERRALS = "deferrals"
@@ -205,12 +199,6 @@ def claim_transition(
     return doc
 
 
-def _aware(value: object) -> datetime.datetime | None:
-    if not isinstance(value, datetime.datetime):
-        return None
-    return value if value.tzinfo is not None else value.replace(tzinfo=datetime.UTC)
-
-
 def read_claim(record: Record, owner: str) -> Claim:
     """What the claim's returned record (the record after the update) means for this attempt.
 
@@ -223,7 +211,7 @@ def read_claim(record: Record, owner: str) -> Claim:
         return Claim(ClaimKind.DUPLICATE)
     if record.get("owner") == owner:
         return Claim(ClaimKind.LEASED, token=int(record["token"]), expirations=read_count(record, EXPIRATIONS))
-    expires, checked = _aware(record.get("expires_at")), _aware(record.get("checked_at"))
+    expires, checked = aware(record.get("expires_at")), aware(record.get("checked_at"))
     remaining = max((expires - checked).total_seconds(), 0.0) if expires and checked else None
     return Claim(ClaimKind.HELD, deferrals=int(record.get("deferrals", 0)), remaining=remaining)
 
@@ -263,7 +251,7 @@ def first_claim_update(
     its handler ran), and a concurrent lease claim waits for the commit or abort.
     ``owner`` and token 1 let :func:`reconcile` recognise this attempt's commit.
     ``$setOnInsert`` takes no ``$$NOW``: ``now`` is the consumer's clock corrected
-    by its offset to the server's (:func:`clock_offset`, read at start).
+    by its offset to the server's (``lily_mongo._clock.clock_offset``, read at start).
     """
     return {
         "$setOnInsert": {
@@ -295,18 +283,6 @@ def first_claim_transition(
         return None
     insert = first_claim_update(handler_id, event_id, owner, now=now, retention_seconds=retention_seconds)
     return {"_id": key, **insert["$setOnInsert"]}
-
-
-def clock_offset(server_time: object, sent: datetime.datetime, received: datetime.datetime) -> datetime.timedelta:
-    """The server clock minus the consumer's, from a reply's server time read between ``sent`` and ``received``.
-
-    Zero when the reply carries no time. The round trip's midpoint stands for the
-    moment the server read its clock (an error of at most half the round trip).
-    """
-    server = _aware(server_time)
-    if server is None:
-        return datetime.timedelta(0)
-    return server - (sent + (received - sent) / 2)
 
 
 def first_claim_falls_back(labels: Collection[str]) -> bool:
@@ -510,7 +486,7 @@ def count_transition(
         doc["event_id"] = event_id
     doc[counter] = int(doc.get(counter) or 0) + 1
     stale = now + datetime.timedelta(seconds=stale_seconds)
-    purge, later = _aware(doc.get("purge_at")), _aware(stale)
+    purge, later = aware(doc.get("purge_at")), aware(stale)
     if purge is None or (later is not None and purge < later):
         doc["purge_at"] = stale
     return doc
@@ -522,28 +498,6 @@ def read_count(record: Record | None, counter: str) -> int:
 
 
 # -- consumer-side decisions ---------------------------------------------------------------------
-
-
-class ErrorStep(enum.Enum):
-    REPLAY = "replay"  # abort; replay the whole attempt in a fresh scope (docs/inbox.md, step 5)
-    RETRY_COMMIT = "retry_commit"  # the commit's result is unknown: retry the same commit (docs/inbox.md, step 6)
-    DEFER = "defer"  # abort; requeue the delivery without spending an application retry
-
-
-def classify_error(labels: Collection[str], *, in_commit: bool) -> ErrorStep:
-    """What a database error inside an attempt means, by its labels (never by code or message).
-
-    A commit that fails *without* ``UnknownTransactionCommitResult`` did not commit:
-    it replays like a transient error.
-    """
-    if in_commit:
-        return ErrorStep.RETRY_COMMIT if UNKNOWN_COMMIT_LABEL in labels else ErrorStep.REPLAY
-    return ErrorStep.REPLAY if TRANSIENT_LABEL in labels else ErrorStep.DEFER
-
-
-def next_after_replay(replays: int, budget: int) -> ErrorStep:
-    """After the ``replays``-th replay request: replay again within the budget, else defer."""
-    return ErrorStep.REPLAY if replays <= budget else ErrorStep.DEFER
 
 
 def outlived(age: float, lifetime: float) -> bool:
@@ -566,13 +520,17 @@ class Reconciled(enum.Enum):
     AMBIGUOUS = "ambiguous"  # nothing completed is visible: defer, the next claim tells the truth
 
 
+_RECONCILED = {
+    ReadBack.COMMITTED: Reconciled.COMMITTED,
+    ReadBack.OTHERS: Reconciled.DUPLICATE,
+    ReadBack.UNKNOWN: Reconciled.AMBIGUOUS,
+}
+
+
 def reconcile(record: Record | None, owner: str, token: int) -> Reconciled:
     """Commit-result reconciliation from the record read with majority read concern (docs/inbox.md, step 6)."""
-    if record is None or record.get("state") != COMPLETED:
-        return Reconciled.AMBIGUOUS
-    if record.get("owner") == owner and record.get("token") == token:
-        return Reconciled.COMMITTED
-    return Reconciled.DUPLICATE
+    verdict = read_back_verdict(record, completed={"state": COMPLETED}, ours={"owner": owner, "token": token})
+    return _RECONCILED[verdict]
 
 
 class Heartbeat(enum.Enum):

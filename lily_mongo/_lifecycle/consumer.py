@@ -13,7 +13,7 @@ from pymongo import AsyncMongoClient
 from .._checks import check_amqp_url, check_bool, check_database_name, check_seconds
 from .._engine.wiring import ConsumerSettings, Lifespan
 from .._errors import ConfigError
-from .._inbox.inbox import InboxOptions, MongoScope
+from .._inbox import InboxOptions, MongoScope
 from .._outbox import OutboxOptions
 from .._plan.outgoing import OutgoingMessage
 from .._plan.plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions, RetryPolicy
@@ -26,6 +26,7 @@ from ..telemetry import Telemetry, resolve_telemetry
 from .managed import ManagedConsumer
 
 log = logging.getLogger("lily_mongo")
+
 
 class QueueSettings(TypedDict, total=False):
     """The keyword options of :meth:`Consumer.configure_queue`: every :class:`QueueOptions` field

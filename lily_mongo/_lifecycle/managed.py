@@ -4,32 +4,30 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
-import time
 from collections.abc import Callable
-from types import MappingProxyType
 
 import aio_pika.abc
 
 from .._amqp import channel_errors, connect_amqp
-from .._engine.engine import Runtime
-from .._engine.settlement import Terminal
-from .._engine.wiring import ConsumerSettings, Engine, build_engine, enter_lifespan
-from .._errors import LilyError
+from .._engine.engine import Engine
+from .._engine.intake import AmqpIntake
+from .._engine.wiring import ConsumerSettings, Wiring, enter_lifespan, wire
 from .._mongo import check_mongo
 from .._outbox import ProcessOutbox
 from .._plan.outgoing import OutgoingMessage
 from .._plan.plan import Plan
 from .._signals import ShutdownSignals, graceful_notice
 from .._snapshots import Snapshot, TerminalObservation
-from .._supervision import Lifecycle, ShutdownReport, ShutdownSteps, State
+from .._supervision import Lifecycle, ShutdownReport, State
 from .._tasks import TaskSet, raise_if_cancel_requested
 from .._topology import declare_topology, prepare_destinations
 from ..telemetry import Telemetry
+from .shutdown import ShutdownSequence
 
 log = logging.getLogger("lily_mongo")
+
 
 class ManagedConsumer:
     """A started consumer. Its supervisor owns cleanup; waiters only observe."""
@@ -53,7 +51,7 @@ class ManagedConsumer:
         self.plan = plan
         self._tasks = TaskSet()
         self._connection: aio_pika.abc.AbstractConnection | None = None
-        self._engine: Engine | None = None
+        self._wiring: Wiring | None = None
         self._stop_requested = asyncio.Event()
         self._force_requested = asyncio.Event()
         self._graceful_timeout = settings.graceful_timeout
@@ -76,21 +74,26 @@ class ManagedConsumer:
         return self._lifecycle.state.value
 
     @property
-    def _runtime(self) -> Runtime | None:
-        """The engine's runtime once built (for the library's own tests)."""
-        return self._engine.runtime if self._engine is not None else None
+    def _engine(self) -> Engine | None:
+        """The engine once built (for the library's own tests)."""
+        return self._wiring.engine if self._wiring is not None else None
+
+    @property
+    def _intake(self) -> AmqpIntake | None:
+        """The AMQP intake once built (for the library's own tests)."""
+        return self._wiring.intake if self._wiring is not None else None
 
     @property
     def _outbox(self) -> ProcessOutbox | None:
-        """The engine's outbox once built (for the library's own tests)."""
-        return self._engine.outbox if self._engine is not None else None
+        """The process's outbox once built (for the library's own tests)."""
+        return self._wiring.outbox if self._wiring is not None else None
 
     @property
     def ready(self) -> bool:
         """True while running with every consuming channel and the handoff channel open
         (False while starting, reconnecting, draining or stopped): a readiness probe."""
-        engine = self._engine
-        return self._lifecycle.state is State.RUNNING and engine is not None and engine.runtime.channels_open()
+        wiring = self._wiring
+        return self._lifecycle.state is State.RUNNING and wiring is not None and wiring.ready()
 
     @property
     def telemetry(self) -> Telemetry | None:
@@ -117,7 +120,7 @@ class ManagedConsumer:
         for options in self.plan.queues.values():
             await declare_topology(self._connection, options)  # checks for a cancel between declarations
         await prepare_destinations(self._connection, self._outgoing)
-        self._engine = await build_engine(
+        self._wiring = await wire(
             self._settings,
             self.plan,
             self._tasks,
@@ -127,18 +130,19 @@ class ManagedConsumer:
         )
         # What the AMQP client raises while channels open and consumers attach, mapped at the boundary.
         with channel_errors("starting the consumer"):
-            await self._engine.start(self._connection, self._tasks)
+            await self._wiring.start(self._tasks)
         raise_if_cancel_requested()  # a cancel the AMQP library absorbed on the way still stops the start
         self._lifecycle.enter(State.RUNNING)
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="lily-supervisor")
 
     async def _teardown_after_failed_start(self) -> None:
-        engine = self._engine
+        wiring = self._wiring
         try:
-            if engine is not None:
-                await engine.runtime.stop_intake()
-                if engine.outbox is not None:
-                    await engine.outbox.stop(1.0)
+            if wiring is not None:
+                if wiring.intake is not None:
+                    await wiring.intake.stop()
+                if wiring.outbox is not None:
+                    await wiring.outbox.stop(1.0)
             for task in self._tasks.pending():
                 task.cancel()
             await self._tasks.join(self._tasks.pending(), 5.0)
@@ -146,8 +150,8 @@ class ManagedConsumer:
                 await self._connection.close()
             if self._settings.owns_mongo_client and self._settings.mongo_client is not None:
                 await self._settings.mongo_client.close()
-            if engine is not None:
-                engine.unwatch()
+            if wiring is not None:
+                wiring.unwatch()
         finally:
             try:
                 await self._lifespan.aclose()  # after a failed start too: it was entered first
@@ -200,13 +204,13 @@ class ManagedConsumer:
 
     def snapshot(self) -> Snapshot:
         """Bounded aggregate state: counts only, never payloads, ids, names or endpoints."""
-        if self._engine is None:
+        if self._wiring is None:
             return Snapshot(self.state, 0, (), outbox_pending=None, outbox_failed=None, outbox_published=0)
-        return self._engine.snapshot(self.state)
+        return self._wiring.snapshot(self.state)
 
     def delivery_terminal_observations(self) -> tuple[TerminalObservation, ...]:
         """The last <= 4096 terminal outcomes, oldest first (may include event ids)."""
-        return self._engine.runtime.observations.items() if self._engine is not None else ()
+        return self._wiring.engine.observations.items() if self._wiring is not None else ()
 
     # -- the supervisor -----------------------------------------------------------------
 
@@ -215,110 +219,14 @@ class ManagedConsumer:
         return await self._shutdown_sequence()
 
     async def _shutdown_sequence(self) -> ShutdownReport:
-        engine = self._engine
-        assert engine is not None
+        assert self._wiring is not None
         assert self._connection is not None
-        runtime = engine.runtime
-        steps = ShutdownSteps()
-        self._lifecycle.enter(State.DRAINING)
-
-        async def stop_intake() -> bool:
-            errors = await runtime.stop_intake()
-            if errors:
-                raise LilyError(f"{len(errors)} consumer cancellation(s) failed: {type(errors[0]).__name__}")
-            return True
-
-        await steps.run("stop_intake", stop_intake)
-
-        async def drain() -> bool:
-            wait_for = asyncio.ensure_future(self._force_requested.wait())
-            try:
-                deadline = time.monotonic() + self._graceful_timeout
-                while runtime.unsettled() and not self._force_requested.is_set():
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    await asyncio.wait(
-                        {*runtime.unsettled(), wait_for}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-                    )
-            finally:
-                wait_for.cancel()
-            return not runtime.unsettled()
-
-        forced = not await steps.run("drain", drain)
-        if forced:
-            self._lifecycle.enter(State.FORCING)
-
-            async def force() -> bool:
-                # The notice: cancel handler executions, but keep settlement authority
-                # for a cooperative window so work finishing now may still settle.
-                runtime.force_notice()
-                pending = await self._tasks.join(runtime.unsettled(), self._force_timeout)
-                # Then revoke authority and cancel what is left; observe the joins.
-                runtime.revoke()
-                for task in pending:
-                    task.cancel()
-                still = await self._tasks.join(pending, self._force_timeout)
-                # Whatever could not settle is reported unresolved, never as ACKed.
-                runtime.abandon_unfinished()
-                return not still
-
-            await steps.run("force", force)
-        if engine.outbox is not None:
-            outbox = engine.outbox
-
-            async def relay_stop() -> bool:
-                # Every delivery has settled: dispatch and mark what their commits handed over, then
-                # stop the relay after its batch.
-                return await outbox.stop(self._force_timeout)
-
-            await steps.run("relay_stop", relay_stop)
-
-        await steps.run("channel_close", runtime.close_channels)
-        connection = self._connection
-
-        async def connection_close() -> bool:
-            await connection.close()
-            return bool(connection.is_closed)
-
-        await steps.run("connection_close", connection_close)
-
-        async def tasks_join() -> bool:
-            # Whatever is still running (a handler dropped at its deadline that ignores
-            # cancellation, a heartbeat) is cancelled and its end observed, or reported.
-            leftovers = self._tasks.pending()
-            for task in leftovers:
-                task.cancel()
-            return not await self._tasks.join(leftovers, self._force_timeout)
-
-        await steps.run("tasks_join", tasks_join)
-        runtime.failures.flush()  # the handler failures whose tracebacks were not shown, counted
-        if self._settings.lifespan is not None:
-
-            async def lifespan_exit() -> bool:
-                # After the drain, the relay and every task: no handler can use a resource any more.
-                await self._lifespan.aclose()
-                return True
-
-            await steps.run("lifespan_exit", lifespan_exit)
-        settings = self._settings
-        if settings.owns_mongo_client and settings.mongo_client is not None:
-            client = settings.mongo_client
-
-            async def mongo_close() -> bool:
-                await client.close()
-                return True
-
-            await steps.run("mongo_client_close", mongo_close)
-        settled: collections.Counter[str] = runtime.settled_during_shutdown
-        unresolved = settled.get(Terminal.UNRESOLVED.value, 0)
-        engine.unwatch()
-        self._lifecycle.enter(State.STOPPED)
-        succeeded = unresolved == 0 and all(a.ok and a.observed for a in steps.actions if a.name not in ("drain",))
-        return ShutdownReport(
-            actions=tuple(steps.actions),
-            settled=MappingProxyType(dict(settled)),
-            unresolved=unresolved,
-            forced=forced,
-            succeeded=succeeded,
+        sequence = ShutdownSequence(
+            self._wiring,
+            self._connection,
+            self._tasks,
+            self._lifecycle,
+            self._lifespan,
+            force_requested=self._force_requested,
         )
+        return await sequence.run()

@@ -12,12 +12,13 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from .._clock import Clock, utcnow
 from .._observer import NO_OBSERVER, Observer
 from .._tasks import TaskSet
 from . import protocol
 from .options import OutboxOptions
 from .outcomes import OutboxCounters, write_outcomes
-from .protocol import Claim, Clock, Failure, utcnow
+from .protocol import Claim, Failure
 from .publishing import LeftToRelay, Transport, publish_batch
 
 if TYPE_CHECKING:

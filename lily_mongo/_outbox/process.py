@@ -8,16 +8,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pymongo import AsyncMongoClient
-from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
-from .._inbox import protocol as inbox_records
+from .._clock import utcnow
+from .._mongo import server_clock_offset
+from .._mongo.transactions import majority_reads
 from .._observer import NO_OBSERVER, Observer
 from .._tasks import TaskSet
 from .dispatcher import OutboxDispatcher
 from .options import OutboxOptions
 from .outcomes import OutboxCounters
-from .protocol import utcnow
 from .publishing import ChannelTransport, FixedTransport, Send
 from .relay import OutboxRelay
 from .writer import OutboxWriter
@@ -51,7 +51,8 @@ class ProcessOutbox:
         self._client = client
         self.options = options
         self.collection: AsyncCollection[Any] = client[database][options.collection]
-        self.majority_reads = self.collection.with_options(read_concern=ReadConcern("majority"))
+        # The read that decides an unknown commit: majority read concern, from the primary.
+        self.read_backs = majority_reads(self.collection)
         self._observer = observer
         self._offset = datetime.timedelta(0)
         self.clock_read = False
@@ -76,9 +77,7 @@ class ProcessOutbox:
     async def read_clock(self) -> None:
         """Read the offset of this process's clock to the server's: records carry times from :meth:`clock`,
         and a relay compares them with its own corrected clock."""
-        sent = utcnow()
-        hello = await self._client.admin.command("hello")
-        self._offset = inbox_records.clock_offset(hello.get("localTime"), sent, utcnow())
+        self._offset = await server_clock_offset(self._client)
         self.clock_read = True
 
     def writer(self, session: AsyncClientSession, writer: str, is_open: Callable[[], bool]) -> OutboxWriter:

@@ -22,12 +22,12 @@ Pure: no I/O library. Times are :class:`datetime.datetime` values, UTC.
 from __future__ import annotations
 
 import datetime
-import enum
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._backoff import backoff
+from .._clock import aware
 
 __all__ = [
     "DUE_SORT",
@@ -37,7 +37,6 @@ __all__ = [
     "PUBLISHED",
     "Claim",
     "Failure",
-    "ReadBack",
     "claim_filter",
     "claim_lasts",
     "claim_transition",
@@ -55,7 +54,6 @@ __all__ = [
     "mark_update",
     "new_record",
     "publish_order",
-    "read_back",
 ]
 
 PENDING = "pending"
@@ -71,12 +69,6 @@ Record = Mapping[str, Any]
 
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
-
-
-def _aware(value: object) -> datetime.datetime | None:
-    if not isinstance(value, datetime.datetime):
-        return None
-    return value if value.tzinfo is not None else value.replace(tzinfo=datetime.UTC)
 
 
 # -- the record -----------------------------------------------------------------------------------
@@ -143,19 +135,19 @@ _FREE_EXPR: dict[str, Any] = {"$lte": [{"$ifNull": ["$claim_expires", EPOCH]}, "
 
 def is_free(record: Record, now: datetime.datetime) -> bool:
     """No live claim on ``record`` at server time ``now`` (what ``$expr`` of :func:`due_filter` tests)."""
-    expires = _aware(record.get("claim_expires"))
+    expires = aware(record.get("claim_expires"))
     return expires is None or expires <= now
 
 
 def claim_lasts(record: Record, now: datetime.datetime, seconds: float) -> bool:
     """``record``'s claim is still live ``seconds`` after ``now``: its holder may publish and mark it in time."""
-    expires = _aware(record.get("claim_expires"))
+    expires = aware(record.get("claim_expires"))
     return expires is not None and expires - now >= datetime.timedelta(seconds=seconds)
 
 
 def is_due(record: Record, now: datetime.datetime) -> bool:
     """Pending, available and free at ``now``: what a relay may claim (:func:`due_filter`)."""
-    available = _aware(record.get("available_at")) or EPOCH
+    available = aware(record.get("available_at")) or EPOCH
     return record.get("status") == PENDING and available <= now and is_free(record, now)
 
 
@@ -294,29 +286,6 @@ def publish_order(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
     def key(record: dict[str, Any]) -> tuple[datetime.datetime, int]:
         seq = record.get("seq")
-        return (_aware(record.get("available_at")) or EPOCH, seq if type(seq) is int else -1)
+        return (aware(record.get("available_at")) or EPOCH, seq if type(seq) is int else -1)
 
     return sorted(records, key=key)
-
-
-class ReadBack(enum.Enum):
-    COMMITTED = "committed"  # a record the transaction wrote is there: the transaction committed
-    UNKNOWN = "unknown"  # nothing proves it either way
-
-
-def read_back(*, written: int, found: bool) -> ReadBack:
-    """What reading a transaction's own outbox record (majority read concern) after an unknown commit proves.
-
-    A record it wrote, present, proves the commit (a transaction commits all its writes or
-    none). Absent proves nothing (a commit still in progress, or a failover), and a
-    transaction that wrote no record has nothing to read: both stay unknown.
-    """
-    return ReadBack.COMMITTED if written and found else ReadBack.UNKNOWN
-
-
-Clock = Callable[[], datetime.datetime]
-"""What the outbox reads the time from: this process's clock, corrected by its offset to the server's."""
-
-
-def utcnow() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)

@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 from pymongo.errors import PyMongoError
 from pymongo.write_concern import WriteConcern
 
+from .._clock import Clock, utcnow
 from .._mongo import ensure_index
 from .._observer import NO_OBSERVER, Observer
 from .._tasks import TaskSet
 from . import protocol
 from .options import OutboxOptions
 from .outcomes import WARNING_INTERVAL, OutboxCounters, write_outcomes
-from .protocol import Clock, Failure, utcnow
+from .protocol import Failure
 from .publishing import ChannelTransport, FixedTransport, Send, Transport, publish_batch
 
 if TYPE_CHECKING:

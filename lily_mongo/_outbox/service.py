@@ -81,7 +81,7 @@ class Relay:
         self._owns_client = check_bool("owns_mongo_client", owns_mongo_client)
         self._telemetry = resolve_telemetry(telemetry)
         observer: Observer = self._telemetry or NO_OBSERVER
-        self._runtime = ProcessOutbox(
+        self._process = ProcessOutbox(
             mongo_client, database, options, owner=f"{name[:64]}:{uuid.uuid4().hex[:12]}", observer=observer
         )
         self._tasks = TaskSet()
@@ -113,7 +113,7 @@ class Relay:
     @property
     def ready(self) -> bool:
         """True while running with its channel open (a readiness probe)."""
-        return self._state is State.RUNNING and self._runtime.ready
+        return self._state is State.RUNNING and self._process.ready
 
     @property
     def telemetry(self) -> Telemetry | None:
@@ -125,13 +125,13 @@ class Relay:
         return ()
 
     @property
-    def runtime(self) -> ProcessOutbox:
+    def process(self) -> ProcessOutbox:
         """The relay's outbox parts (for the library's own tests)."""
-        return self._runtime
+        return self._process
 
     def snapshot(self) -> Snapshot:
         """The outbox counts: pending and failed (refreshed every ``count_interval``), published, unroutable."""
-        counters = self._runtime.counters
+        counters = self._process.counters
         return Snapshot(
             self.state,
             0,
@@ -152,11 +152,11 @@ class Relay:
         try:
             self._connection = await connect_amqp(self._url)
             try:
-                await self._runtime.prepare()
+                await self._process.prepare()
             except PyMongoError as exc:
                 raise mongo_error(exc, "the relay set-up") from exc
             with channel_errors("starting the relay"):
-                await self._runtime.start(
+                await self._process.start(
                     self._connection, self._confirm_timeout, self._tasks, dispatch=False, relay=True
                 )
         except BaseException:
@@ -215,17 +215,17 @@ class Relay:
         self._state = State.DRAINING
         actions: list[ShutdownAction] = []
         forced = False
-        runtime = self._runtime
+        process = self._process
 
         started = time.monotonic()
-        stopping = asyncio.ensure_future(runtime.stop(self._graceful_timeout))
+        stopping = asyncio.ensure_future(process.stop(self._graceful_timeout))
         forcing = asyncio.ensure_future(self._force_requested.wait())
         try:
             await asyncio.wait({stopping, forcing}, return_when=asyncio.FIRST_COMPLETED)
             if not stopping.done():
                 forced = True
                 self._state = State.FORCING
-                runtime.relay.force()
+                process.relay.force()
                 await asyncio.wait({stopping}, timeout=self._force_timeout)
         finally:
             forcing.cancel()
@@ -288,7 +288,7 @@ class Relay:
     async def _teardown(self) -> None:
         """After a failed start: stop what started, close the connection (and an owned client)."""
         try:
-            await self._runtime.stop(1.0)
+            await self._process.stop(1.0)
             await self._close_steps()
         finally:
             self._state = State.STOPPED

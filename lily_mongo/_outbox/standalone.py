@@ -2,30 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
-import enum
-import random
+import functools
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
-from pymongo.read_concern import ReadConcern
-from pymongo.write_concern import WriteConcern
 
 from .._amqp import channel_errors, connect_amqp
-from .._backoff import backoff
 from .._checks import check_amqp_url, check_database_name, check_seconds
 from .._errors import CommitOutcomeUnknown, ConfigError, LilyError, TransportError
-from .._inbox import protocol as inbox_records
-from .._mongo import TransactionScope, discard_server_session, error_labels, mongo_error
+from .._mongo import TransactionScope, error_labels, mongo_error, rules
+from .._mongo import transactions as transaction
+from .._mongo.transactions import Replay
 from .._observer import NO_OBSERVER, Observer
 from .._tasks import TaskSet
 from .._text import describe_value
-from ..publisher import CustomPublishContent, OpenClose, PublishOptions, TypedPublishing
+from ..publisher import CustomPublishContent, OpenClose, PublishOptions, ResourceState, TypedPublishing
 from ..telemetry import Telemetry, resolve_telemetry
-from . import protocol
 from .options import TRANSACTION_BACKOFF_BASE, TRANSACTION_BACKOFF_MAX, OutboxOptions, standalone_options
 from .process import ProcessOutbox
 from .writer import OutboxWriter
@@ -65,17 +60,6 @@ class OutboxTransaction(TransactionScope, TypedPublishing):
         return await self._writer.publish(content, routing_key, payload, version=version, **options)
 
 
-class _State(enum.Enum):
-    NEW = "new"
-    OPEN = "open"
-    CLOSED = "closed"
-
-
-class _Step(enum.Enum):
-    COMMITTED = "committed"
-    REPLAY = "replay"  # not committed: run fn again in a fresh transaction
-
-
 class Outbox(OpenClose):
     """The transactional outbox for code outside handlers (a web endpoint, a script).
 
@@ -109,15 +93,21 @@ class Outbox(OpenClose):
         self._database = mongo_client[database]
         self._url = amqp_url
         self._options = options
+        self._rules = rules.Rules(
+            replay_budget=options.transaction_retries,
+            commit_retries=options.commit_retries,
+            backoff_base=TRANSACTION_BACKOFF_BASE,
+            backoff_max=TRANSACTION_BACKOFF_MAX,
+        )
         self._name = name
         self._confirm_timeout = check_seconds("confirm_timeout", confirm_timeout, low=0, high=3600, low_inclusive=False)
         observer: Observer = resolve_telemetry(telemetry) or NO_OBSERVER
-        self._runtime = ProcessOutbox(
+        self._process = ProcessOutbox(
             mongo_client, database, options, owner=f"{name[:64]}:{uuid.uuid4().hex[:12]}", observer=observer
         )
         self._tasks = TaskSet()
         self._connection: aio_pika.abc.AbstractConnection | None = None
-        self._state = _State.NEW
+        self._state = ResourceState.NEW
 
     def __repr__(self) -> str:
         return f"<Outbox name={self._name!r} state={self._state.value} dispatch={self._url is not None}>"
@@ -127,44 +117,44 @@ class Outbox(OpenClose):
         return self._options
 
     @property
-    def runtime(self) -> ProcessOutbox:
+    def process(self) -> ProcessOutbox:
         """The process's outbox parts (dispatcher, relay, counters)."""
-        return self._runtime
+        return self._process
 
     async def open(self) -> None:
         """With ``amqp_url``: connect, read the server's clock, create the indexes, start dispatching (and
         the relay). Without: nothing to start."""
-        if self._state is _State.CLOSED:
+        if self._state is ResourceState.CLOSED:
             raise LilyError("this Outbox is closed and cannot be reopened")
-        if self._state is _State.OPEN:
+        if self._state is ResourceState.OPEN:
             return
         if self._url is None:
-            self._state = _State.OPEN
+            self._state = ResourceState.OPEN
             return
         connection = await connect_amqp(self._url)
         try:
             try:
-                await self._runtime.prepare()
+                await self._process.prepare()
             except PyMongoError as exc:
                 raise mongo_error(exc, "the outbox set-up") from exc
             with channel_errors("starting the outbox"):
-                await self._runtime.start(connection, self._confirm_timeout, self._tasks)
+                await self._process.start(connection, self._confirm_timeout, self._tasks)
         except BaseException:
-            await self._runtime.stop(1.0)
+            await self._process.stop(1.0)
             await connection.close()
             raise
         self._connection = connection
-        self._state = _State.OPEN
+        self._state = ResourceState.OPEN
 
     async def close(self) -> None:
         """Publish and mark what was committed (within ``confirm_timeout``), stop, close the connection.
 
         Records not published by then stay in the collection; a relay publishes them."""
-        if self._state is _State.CLOSED:
+        if self._state is ResourceState.CLOSED:
             return
-        self._state = _State.CLOSED
+        self._state = ResourceState.CLOSED
         try:
-            await self._runtime.stop(self._confirm_timeout)
+            await self._process.stop(self._confirm_timeout)
             leftovers = self._tasks.pending()
             for task in leftovers:
                 task.cancel()
@@ -175,9 +165,9 @@ class Outbox(OpenClose):
                 await connection.close()
 
     def _require_usable(self) -> None:
-        if self._state is _State.CLOSED:
+        if self._state is ResourceState.CLOSED:
             raise LilyError("this Outbox is closed")
-        if self._url is not None and self._state is not _State.OPEN:
+        if self._url is not None and self._state is not ResourceState.OPEN:
             raise LilyError("an Outbox with amqp_url dispatches after commit: use `async with Outbox(...)` first")
 
     async def transaction(self, fn: Callable[[OutboxTransaction], Awaitable[T]]) -> T:
@@ -189,113 +179,76 @@ class Outbox(OpenClose):
         transaction's own records with majority read concern: present, it committed; absent
         (or no record written) raises :class:`~lily_mongo.CommitOutcomeUnknown` (``fn`` is never
         re-run to find out). Any other exception from ``fn`` aborts and propagates unchanged.
+        The steps are the inbox's (``lily_mongo._mongo.transactions``).
         """
         self._require_usable()
-        if not self._runtime.clock_read:  # without amqp_url nothing was opened: read it on first use
+        if not self._process.clock_read:  # without amqp_url nothing was opened: read it on first use
             try:
-                await self._runtime.read_clock()
+                await self._process.read_clock()
             except PyMongoError as exc:
                 raise mongo_error(exc, "reading the server's clock") from exc
-        retries = self._options.transaction_retries
-        replays = 0
-        while True:
-            step, result, writer = await self._run(fn)
-            if step is _Step.COMMITTED:
-                assert writer is not None
-                self._runtime.committed(writer)
-                return cast("T", result)
-            if replays >= retries:
-                raise TransportError(
-                    f"the transaction did not commit after {replays + 1} runs (TransientTransactionError each "
-                    f"time; OutboxOptions.transaction_retries={retries}); nothing was committed"
-                )
-            replays += 1
-            await asyncio.sleep(
-                backoff(replays, base=TRANSACTION_BACKOFF_BASE, cap=TRANSACTION_BACKOFF_MAX, jitter=random.random())
-            )
 
-    async def _run(
-        self, fn: Callable[[OutboxTransaction], Awaitable[T]]
-    ) -> tuple[_Step, T | None, OutboxWriter | None]:
-        """One run of ``fn`` in its own session and transaction, then the commit loop."""
-        session = self._client.start_session(causal_consistency=False)
+        def spent(replay: Replay, runs: int) -> NoReturn:
+            raise TransportError(
+                f"the transaction did not commit after {runs} runs (TransientTransactionError each "
+                f"time; OutboxOptions.transaction_retries={self._rules.replay_budget}); nothing was committed"
+            ) from replay
+
+        result, writer = await transaction.replaying(functools.partial(self._run, fn), self._rules, spent=spent)
+        self._process.committed(writer)
+        return result
+
+    async def _run(self, fn: Callable[[OutboxTransaction], Awaitable[T]]) -> tuple[T, OutboxWriter]:
+        """One run of ``fn`` in its own session and transaction, then its commit (a :class:`Replay` when
+        it must run again)."""
+        session = await transaction.start_transaction(self._client)
         try:
-            await session.start_transaction(
-                read_concern=ReadConcern("snapshot"), write_concern=WriteConcern("majority")
-            )
             tx: OutboxTransaction | None = None
-            writer = self._runtime.writer(session, self._name, lambda: tx is not None and tx.is_open)
+            writer = self._process.writer(session, self._name, lambda: tx is not None and tx.is_open)
             tx = OutboxTransaction(session, self._database, writer)
             try:
                 result = await fn(tx)
-            except PyMongoError as exc:
+            except BaseException as exc:
                 tx.close()
-                await _abort(session)
-                if inbox_records.TRANSIENT_LABEL in error_labels(exc):
-                    return _Step.REPLAY, None, None
-                raise
-            except BaseException:
-                tx.close()
-                await _abort(session)
+                await transaction.abort_quietly(session, None)
+                if (
+                    isinstance(exc, PyMongoError)
+                    and rules.classify_error(error_labels(exc), in_commit=False) is rules.ErrorStep.REPLAY
+                ):
+                    raise Replay(f"{type(exc).__name__} in the transaction's function") from exc
                 raise
             tx.close()
-            return await self._commit(session, writer), result, writer
+            unknown = await transaction.commit(session, None)
+            if unknown is not None:
+                await self._reconcile(session, writer, unknown)
+            return result, writer
         finally:
             await session.end_session()
 
-    async def _commit(self, session: AsyncClientSession, writer: OutboxWriter) -> _Step:
-        """Commit; on an unknown result retry the same commit, then read the transaction's record back."""
-        try:
-            await session.commit_transaction()
-            return _Step.COMMITTED
-        except PyMongoError as exc:
-            if inbox_records.classify_error(error_labels(exc), in_commit=True) is inbox_records.ErrorStep.REPLAY:
-                discard_server_session(session)  # not committed: run fn again
-                return _Step.REPLAY
-            unknown: PyMongoError = exc
-        for retry in range(self._options.commit_retries):
-            await asyncio.sleep(
-                backoff(retry, base=TRANSACTION_BACKOFF_BASE, cap=TRANSACTION_BACKOFF_MAX, jitter=random.random())
-            )
-            try:
-                await session.commit_transaction()
-                return _Step.COMMITTED
-            except PyMongoError as exc:
-                unknown = exc
-                step = inbox_records.classify_error(error_labels(exc), in_commit=True)
-                if step is not inbox_records.ErrorStep.RETRY_COMMIT:
-                    break
-        discard_server_session(session)
-        found = False
+    async def _reconcile(self, session: AsyncClientSession, writer: OutboxWriter, unknown: PyMongoError) -> None:
+        """An unknown commit result: retry the same commit, then read the transaction's own record back;
+        :class:`CommitOutcomeUnknown` unless one of them proves the commit."""
+        if await transaction.retry_commit(session, self._rules):
+            return
+        record: dict[str, Any] | None = None
         if writer.records:
             try:
-                found = (
-                    await self._runtime.majority_reads.find_one(
-                        {"_id": writer.records[0]["_id"]}, projection={"_id": 1}
-                    )
-                    is not None
-                )
+                record = await transaction.read_back(self._process.read_backs, writer.records[0]["_id"], None)
             except PyMongoError as exc:
                 raise CommitOutcomeUnknown(
                     f"the commit's outcome is unknown and its outbox record could not be read back "
                     f"({type(exc).__name__}); check the data before running it again"
                 ) from exc
-        if protocol.read_back(written=writer.written, found=found) is protocol.ReadBack.COMMITTED:
-            return _Step.COMMITTED
+        # A record it wrote, present, proves the commit (a transaction commits all its writes or
+        # none). Absent proves nothing (a commit still in progress, or a failover).
+        if rules.read_back_verdict(record, completed={}, ours={}) is rules.ReadBack.COMMITTED:
+            return
         what = (
             "its outbox record is not visible with majority read concern"
             if writer.records
             else "it wrote no outbox record to read back"
         )
         raise CommitOutcomeUnknown(
-            f"the commit's outcome is unknown after {self._options.commit_retries} commit retries and {what}; "
+            f"the commit's outcome is unknown after {self._rules.commit_retries} commit retries and {what}; "
             "it may or may not have committed: check the data before running it again"
         ) from unknown
-
-
-async def _abort(session: AsyncClientSession) -> None:
-    if session.in_transaction:
-        try:
-            await session.abort_transaction()
-        except PyMongoError:
-            discard_server_session(session)

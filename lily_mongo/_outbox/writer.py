@@ -7,11 +7,12 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+from .._clock import Clock, utcnow
 from .._errors import ScopeClosedError
 from .._observer import NO_OBSERVER, Observer
 from ..publisher import CustomPublishContent, PublishOptions, TypedPublishing, prepare_publication
 from . import protocol
-from .protocol import Claim, Clock, utcnow
+from .protocol import Claim
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.client_session import AsyncClientSession

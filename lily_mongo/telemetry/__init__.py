@@ -45,8 +45,8 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Mu
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._clock import aware
 from .._errors import ConfigError, EnvelopeError, ErrorCode
-from .._inbox import protocol as records
 from .._metrics import (
     DELIVERIES,
     DURATION_BUCKETS,
@@ -60,7 +60,7 @@ from .._metrics import (
     SENT,
     Metric,
 )
-from .._observer import Send, SnapshotSource
+from .._observer import C, PublishWith, SnapshotSource
 from .._snapshots import Snapshot
 from ..bounds import BOUNDS
 from ..envelope import TRACEPARENT_HEADER, TRACESTATE_HEADER, valid_traceparent, validate_envelope
@@ -88,7 +88,7 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
     from opentelemetry.trace import Span, TracerProvider
 
-    from .._engine.settlement import Execution, PipelineResult
+    from .._verdicts import Execution, PipelineResult
 
 __all__ = [
     "AVAILABLE",
@@ -341,11 +341,10 @@ class Telemetry:
                 span.set_attributes(describe(result))
             return result
 
-    def inbox_claim(self, claim: Awaitable[dict[str, Any]], owner: str) -> Awaitable[dict[str, Any]]:
+    def inbox_claim(self, claim: Awaitable[C]) -> Awaitable[C]:
         """The ``inbox claim`` span: how the claim ended and the event's deferrals so far."""
 
-        def describe(found: dict[str, Any]) -> Mapping[str, str | int]:
-            answer = records.read_claim(found, owner)
+        def describe(answer: C) -> Mapping[str, str | int]:
             return {"lily.inbox.claim": answer.kind.value, "lily.inbox.deferrals": answer.deferrals}
 
         return self.traced("inbox claim", claim, describe=describe)
@@ -379,7 +378,7 @@ class Telemetry:
             if "tracestate" in context:
                 options["tracestate"] = context["tracestate"]
 
-    def relay_publish(self, send: Send, record: Mapping[str, Any], *, via: str = "relay") -> Awaitable[None]:
+    def relay_publish(self, send: PublishWith, record: Mapping[str, Any], *, via: str = "relay") -> Awaitable[None]:
         """A ``PRODUCER`` span, child of the context the record stored (the attempt that wrote it).
 
         ``via`` (``dispatch`` or ``relay``) is its ``lily.publish``. The relay lag runs from the
@@ -395,7 +394,7 @@ class Telemetry:
         )
 
     def publish(
-        self, send: Send, *, exchange: str, routing_key: str, headers: dict[str, Any], event_id: object
+        self, send: PublishWith, *, exchange: str, routing_key: str, headers: dict[str, Any], event_id: object
     ) -> Awaitable[None]:
         """A :class:`~lily_mongo.Publisher` publish: a ``PRODUCER`` span of the current context."""
         return self.produce(
@@ -415,7 +414,7 @@ class Telemetry:
 
     async def produce(
         self,
-        send: Send,
+        send: PublishWith,
         *,
         exchange: str,
         routing_key: str,
@@ -458,7 +457,8 @@ class Telemetry:
             span.end()
         self._instruments.sent.add(1, {"messaging.system": SYSTEM, "lily.publish": operation})
         if enqueued_at is not None:
-            lag = max((datetime.datetime.now(datetime.UTC) - _aware(enqueued_at)).total_seconds(), 0.0)
+            now = datetime.datetime.now(datetime.UTC)
+            lag = max((now - (aware(enqueued_at) or now)).total_seconds(), 0.0)
             self._instruments.relay_lag.record(lag, {"messaging.system": SYSTEM, "lily.publish": operation})
             self.relay_lag.record((("path", operation),), lag)
 
@@ -520,7 +520,7 @@ class DeliveryTrace:
 
     async def handoff(
         self,
-        send: Send,
+        send: PublishWith,
         routing_key: str,
         headers: Mapping[str, Any],
         *,
@@ -577,11 +577,6 @@ def _fail(span: Span, exc: BaseException) -> None:
     error_type = getattr(exc, "error_type", None) or getattr(exc, "kind", None) or type(exc).__name__
     span.set_attribute("error.type", str(error_type))
     span.set_status(Status(StatusCode.ERROR, str(error_type)))
-
-
-def _aware(moment: datetime.datetime) -> datetime.datetime:
-    # PyMongo returns naive UTC datetimes unless the client is tz_aware.
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=datetime.UTC)
 
 
 _TRACESTATE_BYTES = BOUNDS.tracestate_bytes

@@ -34,11 +34,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from pymongo.errors import OperationFailure
 
 from .._checks import check_bool, check_int
-from .._engine.engine import Received
-from .._engine.wiring import Engine, build_engine, enter_lifespan
+from .._engine.message import InboundMessage
+from .._engine.wiring import Wiring, enter_lifespan, wire
 from .._errors import ConfigError, ErrorCode, LilyError, QueueHandlerError
 from .._inbox import protocol as records
 from .._lifecycle import Consumer
+from .._mongo.rules import TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL
 from .._snapshots import TerminalObservation
 from .._tasks import TaskSet
 from .._text import describe_value, truncate_utf8
@@ -124,7 +125,7 @@ class _OpenChannel:
 
 
 @dataclass(slots=True, eq=False)
-class _Message:
+class InProcessMessage:
     """One in-process delivery, settled at most once like an AMQP one."""
 
     queue: str
@@ -191,12 +192,12 @@ class TestConsumer:
         self._raise_handler_errors = check_bool("raise_handler_errors", raise_handler_errors)
         self._lifespan = contextlib.AsyncExitStack()
         self._tasks = TaskSet()
-        self._engine: Engine | None = None
+        self._wiring: Wiring | None = None
         self._dlq_names: frozenset[str] = frozenset()
         self._retries_delivered = 0
         self.published: list[PublishedMessage] = []
         """Every retry copy, DLQ copy and relayed outbox message, in order."""
-        self.requeued: list[_Message] = []
+        self.requeued: list[InProcessMessage] = []
         """Deliveries that ended with a requeue (deferred, handoff failed): the broker would redeliver them."""
 
     async def __aenter__(self) -> TestConsumer:
@@ -208,13 +209,13 @@ class TestConsumer:
         self._dlq_names = frozenset(options.dlq_name for options in plan.queues.values())
         try:
             resources = await enter_lifespan(settings.lifespan, self._consumer, plan, self._lifespan)
-            self._engine = await build_engine(
+            self._wiring = await wire(
                 settings, plan, self._tasks, state=lambda: "running", handoff=self._handoff, resources=resources
             )
         except BaseException:
             await self._lifespan.aclose()
             raise
-        self._engine.open_in_process(self._tasks, self._record_outbox if self._relay_outbox else None)
+        self._wiring.open_in_process(self._tasks, self._record_outbox if self._relay_outbox else None)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -223,8 +224,8 @@ class TestConsumer:
             for task in pending:
                 task.cancel()
             await self._tasks.join(pending, self._settings.force_timeout)
-            if self._engine is not None:
-                self._engine.runtime.failures.flush()
+            if self._wiring is not None:
+                self._wiring.engine.failures.flush()
         finally:
             await self._lifespan.aclose()  # after every delivery and task, as a started consumer does
 
@@ -238,7 +239,7 @@ class TestConsumer:
 
     @property
     def observations(self) -> tuple[TerminalObservation, ...]:
-        return self._engine.runtime.observations.items() if self._engine is not None else ()
+        return self._wiring.engine.observations.items() if self._wiring is not None else ()
 
     # -- publishing into the consumer --------------------------------------------------------
 
@@ -270,17 +271,17 @@ class TestConsumer:
         redelivered: bool = False,
     ) -> DeliveryResult:
         """Deliver exactly these headers and body (any contract case, valid or not)."""
-        return await self._deliver(_Message(queue, dict(headers), body, content_type, redelivered))
+        return await self._deliver(InProcessMessage(queue, dict(headers), body, content_type, redelivered))
 
-    async def _deliver(self, message: _Message) -> DeliveryResult:
-        if self._engine is None:
+    async def _deliver(self, message: InProcessMessage) -> DeliveryResult:
+        if self._wiring is None:
             raise LilyError("use the TestConsumer as an async context manager")
-        runtime = self._engine.runtime
-        if message.queue not in runtime.queues:
+        engine = self._wiring.engine
+        if message.queue not in engine.queues:
             raise ConfigError(f"queue {message.queue!r} has no handler in this consumer")
-        before = len(runtime.observations)
-        exception = await runtime.deliver(message.queue, message)
-        observation = runtime.observations.items()[before] if len(runtime.observations) > before else None
+        before = len(engine.observations)
+        exception = await engine.deliver(message.queue, message)
+        observation = engine.observations.items()[before] if len(engine.observations) > before else None
         assert observation is not None, "the delivery recorded no terminal observation"
         if message.settled == "nack_requeue":
             self.requeued.append(message)
@@ -298,7 +299,7 @@ class TestConsumer:
         What the dispatcher was handed is published and marked first; then the backstop relay's
         batches take whatever else is due (records written with ``relay_outbox=False``, or whose
         dispatch failed and whose backoff has passed)."""
-        outbox = self._engine.outbox if self._engine is not None else None
+        outbox = self._wiring.outbox if self._wiring is not None else None
         if outbox is None:
             return 0
         before = outbox.counters.published
@@ -317,14 +318,15 @@ class TestConsumer:
             self._retries_delivered += 1
             queue = str(copy.headers.get(FAILED_QUEUE_HEADER, ""))
             results.append(
-                await self._deliver(_Message(queue, dict(copy.headers), copy.body, copy.content_type, False))
+                await self._deliver(InProcessMessage(queue, dict(copy.headers), copy.body, copy.content_type, False))
             )
 
     async def redeliver_requeued(self) -> list[DeliveryResult]:
         """Deliver the requeued deliveries again (``redelivered=True``), as the broker would."""
         pending, self.requeued = self.requeued, []
         return [
-            await self._deliver(_Message(m.queue, m.headers, m.body, m.content_type, True, m.exchange)) for m in pending
+            await self._deliver(InProcessMessage(m.queue, m.headers, m.body, m.content_type, True, m.exchange))
+            for m in pending
         ]
 
     async def hold_lease(self, handler_id: str, event_id: uuid.UUID, *, seconds: float = 3600) -> None:
@@ -350,7 +352,7 @@ class TestConsumer:
 
     # -- the recorded transport --------------------------------------------------------------
 
-    async def _handoff(self, message: Received, routing_key: str, headers: Mapping[str, Any]) -> None:
+    async def _handoff(self, message: InboundMessage, routing_key: str, headers: Mapping[str, Any]) -> None:
         kind: Literal["retry", "dlq"] = "dlq" if routing_key in self._dlq_names else "retry"
         self.published.append(
             PublishedMessage(kind, "", routing_key, dict(headers), bytes(message.body), message.content_type)
@@ -435,11 +437,11 @@ class Faults:
         transaction's first write (an update), so a failure there replays before the handler
         ran at all; ``delete`` because the inbox releases a failed attempt's lease with one.
         """
-        await self.fail(commands, times=times, labels=[records.TRANSIENT_LABEL], code=112)
+        await self.fail(commands, times=times, labels=[TRANSIENT_LABEL], code=112)
 
     async def transient_commits(self, times: int = 1) -> None:
         """The next ``times`` commits fail (not applied) with ``TransientTransactionError``: the attempt replays."""
-        await self.fail(["commitTransaction"], times=times, labels=[records.TRANSIENT_LABEL], code=112)
+        await self.fail(["commitTransaction"], times=times, labels=[TRANSIENT_LABEL], code=112)
 
     async def ambiguous_commits(self, times: int = 1) -> None:
         """The next ``times`` commits answer ``UnknownTransactionCommitResult`` (the server does not apply them).
@@ -448,7 +450,7 @@ class Faults:
         but whose reply is lost cannot be made by ``failCommand`` (it fails before the commit);
         the library's own tests cut the reply on the network for that case.
         """
-        await self.fail(["commitTransaction"], times=times, labels=[records.UNKNOWN_COMMIT_LABEL], code=50)
+        await self.fail(["commitTransaction"], times=times, labels=[UNKNOWN_COMMIT_LABEL], code=50)
 
     async def clear(self) -> None:
         """Turn the failpoint off (whoever set it: a test, or a process sharing the server)."""
@@ -500,7 +502,7 @@ class _Check:
 
     async def failed_write(self, times: int) -> None:
         """An at-least-once handler's transient fault: its next write command fails (no transaction to replay)."""
-        await self.faults.fail(_WRITE_COMMANDS, times=times, labels=[records.TRANSIENT_LABEL], code=112)
+        await self.faults.fail(_WRITE_COMMANDS, times=times, labels=[TRANSIENT_LABEL], code=112)
 
     def faults_for(self, n: int, scenarios: tuple[str, ...]) -> list[Callable[[int], Awaitable[None]]]:
         """The faults the n-th event is delivered under, one delivery each."""

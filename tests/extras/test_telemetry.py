@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lily_mongo import ConfigError, PublishError
 from lily_mongo._cli.probes import ProbeServer
-from lily_mongo._engine.settlement import Execution, Outcome, PipelineResult
 from lily_mongo._snapshots import QueueSnapshot, Snapshot
+from lily_mongo._verdicts import Execution, Outcome, PipelineResult
 from lily_mongo.bounds import BOUNDS
 from lily_mongo.envelope import validate_envelope
 from lily_mongo.publisher import JSON, prepare_publication

@@ -1,4 +1,4 @@
-"""The consumer's view of one delivery (:class:`lily_mongo._amqp.InboundMessage`) against the real broker.
+"""The consumer's view of one delivery (:class:`lily_mongo._amqp.AmqpMessage`) against the real broker.
 
 It replaces aio-pika's ``IncomingMessage`` on the consuming path, so it must expose
 the same values for everything the pipeline and the handoff copies read, and settle
@@ -15,7 +15,7 @@ import aio_pika.abc
 import aiormq.abc
 import pytest
 
-from lily_mongo._amqp import InboundMessage
+from lily_mongo._amqp import AmqpMessage
 from tests.support import BrokerNames, queue_depth, wait_for_depth
 
 STAMP = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
@@ -56,13 +56,13 @@ def every_property() -> aio_pika.Message:
 
 async def delivered(
     connection: aio_pika.abc.AbstractConnection, name: str, message: aio_pika.Message
-) -> tuple[aio_pika.abc.AbstractChannel, InboundMessage]:
+) -> tuple[aio_pika.abc.AbstractChannel, AmqpMessage]:
     """On a channel of its own: ``name`` declared, ``message`` published to it and consumed; the channel
     and the delivery as the consumer reads it (unacknowledged)."""
     channel = await connection.channel()
     await channel.declare_queue(name, durable=True)
     await channel.default_exchange.publish(message, routing_key=name)
-    return channel, InboundMessage(await consume_one(channel, name))
+    return channel, AmqpMessage(await consume_one(channel, name))
 
 
 async def test_fields_are_the_published_ones(

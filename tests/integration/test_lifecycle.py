@@ -761,10 +761,10 @@ async def test_terminal_observations_keep_the_last_4096(broker: Broker) -> None:
     try:
         real = await broker.publish_all(q, [{"n": n} for n in range(3)])
         await eventually(lambda: len(managed.delivery_terminal_observations()) == 3, what="three outcomes")
-        runtime = managed._runtime
-        assert runtime is not None
+        engine = managed._engine
+        assert engine is not None
         for n in range(5000):
-            runtime.observations.record(
+            engine.observations.record(
                 queue="synthetic",
                 handler_id=None,
                 event_id=None,

@@ -113,13 +113,13 @@ async def test_without_amqp_url_the_first_transaction_reads_the_servers_clock_on
     client = w1_client(mongodb, listener)
     try:
         outbox = Outbox(client, mongodb.name)
-        assert not outbox.runtime.clock_read
+        assert not outbox.process.clock_read
         await outbox.transaction(placing("orders.placed", []))
         await outbox.transaction(placing("orders.placed", [], order="o2"))
     finally:
         await client.close()
     assert [e.command_name for e in listener.events].count("hello") == 1
-    assert outbox.runtime.clock_read
+    assert outbox.process.clock_read
 
 
 async def test_an_exception_in_fn_aborts_everything_and_propagates(mongodb: MongoDB) -> None:
@@ -202,7 +202,7 @@ async def test_with_amqp_url_the_records_are_published_right_after_the_commit(mo
     assert {r["status"] for r in records} == {"published"}  # marked before close() returned
     # Born claimed by this outbox's own dispatcher, never by a relay.
     assert {(r["claim_owner"].split(":")[0], r["claim_token"]) for r in records} == {
-        ("web", outbox.runtime.dispatcher.token)
+        ("web", outbox.process.dispatcher.token)
     }
 
 
@@ -308,7 +308,7 @@ async def test_every_write_outside_the_transaction_is_majority_and_the_read_back
     try:
         async with Outbox(client, mongodb.name, amqp_url=broker.url, options=OutboxOptions(mark_interval=0)) as outbox:
             await outbox.transaction(placing(down, []))
-            await outbox.runtime.dispatched()
+            await outbox.process.dispatched()
             await failpoints.fail(["commitTransaction"], code=50, labels=["UnknownTransactionCommitResult"], times=4)
             with pytest.raises(CommitOutcomeUnknown):
                 await outbox.transaction(placing(down, [], order="o2"))

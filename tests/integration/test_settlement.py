@@ -501,7 +501,7 @@ async def test_handoff_confirm_timeout_requeues_the_original(broker: Broker) -> 
 
 class _AfterConfirm:
     """Stands in for the runtime's handoff channel: every publish is real; after the
-    first confirmed one, ``fault`` runs before control returns to the runtime."""
+    first confirmed one, ``fault`` runs before control returns to the engine."""
 
     def __init__(self, channel: aio_pika.abc.AbstractChannel, fault: Callable[[], Awaitable[None]]) -> None:
         self.channel = channel
@@ -547,10 +547,10 @@ async def _run_ack_lost_after_confirm(broker: Broker, q: str) -> AckLostRun:
     handler = recording_handler(q, calls, raising(QueueHandlerError.retryable("APP_BUSY"), times=1))
     consumer = broker.consumer(q, handler, retry=retries(3, LONG_DELAY))
     async with running(consumer, expect_clean=False) as managed:
-        runtime = managed._runtime
-        assert runtime is not None
-        assert runtime.handoff_channel is not None
-        consuming = runtime.queues[q].channel
+        intake = managed._intake
+        assert intake is not None
+        assert intake.handoff_channel is not None
+        consuming = intake.consumers[q].channel
         assert consuming is not None
 
         async def close_consuming_channel() -> None:
@@ -558,13 +558,13 @@ async def _run_ack_lost_after_confirm(broker: Broker, q: str) -> AckLostRun:
             # consumes again, the broker requeues what the closed one held.
             await (await consuming.get_underlay_channel()).close()
 
-        hook = _AfterConfirm(runtime.handoff_channel, close_consuming_channel)
-        runtime.handoff_channel = hook  # type: ignore[assignment]
+        hook = _AfterConfirm(intake.handoff_channel, close_consuming_channel)
+        intake.handoff_channel = hook  # type: ignore[assignment]
         try:
             await broker.publish_all(q, orders(7))
             observations = await wait_observations(managed, 2)
         finally:
-            runtime.handoff_channel = hook.channel
+            intake.handoff_channel = hook.channel
         report = await managed.shutdown()
     found = await broker.topology_depths(q)
     return AckLostRun(observations, calls, hook.confirmed, found, await broker.drain(f"{q}.retry.0"), report)
@@ -651,11 +651,11 @@ async def _run_transport_lost(broker: Broker, q: str, *, lose: str) -> Transport
             retry=retries(3, 0.1),
         )
         async with running(consumer, expect_clean=False) as managed:
-            runtime = managed._runtime
-            assert runtime is not None
+            intake = managed._intake
+            assert intake is not None
             await broker.publish_all(q, orders(1, 2))
             await eventually(lambda: len(calls.ids) == 2, what="both deliveries in the handler")
-            consuming = runtime.queues[q].channel
+            consuming = intake.consumers[q].channel
             assert consuming is not None
             if lose == "channel":
                 await (await consuming.get_underlay_channel()).close()

@@ -1,16 +1,18 @@
 """Seeded mutants of the inbox for the protocol model, and their score.
 
 The model (``tests/property/test_inbox_model.py``) runs the shipped ``Inbox``, so a mutant is
-either an edit of ``lily_mongo/inbox.py``'s source (loaded as a module of its own, which the
-machine runs instead: :attr:`InboxModel.INBOX`) or a replacement of one function of
-:mod:`lily_mongo._inbox.protocol` (which the inbox and the simulated server call through the module).
-Two ways to run them:
+either an edit of the source of a module of ``lily_mongo/_inbox/`` (or of the transaction
+skeleton, ``lily_mongo/_mongo/transactions.py``), loaded as a copy of the package that the
+machine runs instead (:attr:`InboxModel.INBOX`), or a replacement of one function of the
+record protocol (:mod:`lily_mongo._inbox.protocol`) or of the transaction rules
+(:mod:`lily_mongo._mongo.rules`), which the inbox and the simulated server call through
+their modules. Two ways to run them:
 
 * ``LILY_MUTANTS=1 uv_run pytest --noconftest tests/property/test_inbox_model.py -k mutant``
   (every non-equivalent mutant must be caught, by an invariant it names);
 * ``uv_run python -m tests.property.inbox_mutants [examples] [name filter]`` prints the score
-  table; ``--source FILE`` instead runs the scenarios and the random machine against another
-  ``inbox.py`` (an older revision, say) and prints what they find.
+  table; ``--source DIR`` instead runs the scenarios and the random machine against another
+  revision's ``lily_mongo/_inbox/`` folder and prints what they find.
 
 A mutant marked ``equivalent`` cannot be told apart from the original by any run of the
 model; ``why`` says why (the table still runs it, to show that it survives). A mutant with
@@ -22,23 +24,29 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.abc
+import importlib.machinery
 import importlib.util
+import itertools
 import logging
 import sys
 import time
 import types
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import lily_mongo._inbox.inbox as shipped_inbox
+import lily_mongo._inbox as shipped_inbox
 import lily_mongo._inbox.protocol as records
-from lily_mongo._inbox.protocol import COMPLETED, LEASED, Claim, ClaimKind, ErrorStep, FirstClaim, Heartbeat, Reconciled
+import lily_mongo._mongo.rules as rules
+from lily_mongo._inbox.protocol import COMPLETED, LEASED, Claim, ClaimKind, FirstClaim, Heartbeat, Reconciled
+from lily_mongo._mongo.rules import ErrorStep
 
 Record = Any
-SOURCE = Path(shipped_inbox.__file__).read_text()
+PACKAGE = Path(shipped_inbox.__file__).parent.parent  # lily_mongo/
+TARGETS = {"protocol": records, "rules": rules}  # the modules whose functions a mutant may replace
 
 # The originals, captured before any patching (a mutant delegates to them).
 read_claim = records.read_claim
@@ -47,8 +55,8 @@ completion_transition = records.completion_transition
 renewal_transition = records.renewal_transition
 release_transition = records.release_transition
 count_transition = records.count_transition
-classify_error = records.classify_error
-next_after_replay = records.next_after_replay
+classify_error = rules.classify_error
+next_after_replay = rules.next_after_replay
 reconcile = records.reconcile
 may_renew = records.may_renew
 heartbeat_verdict = records.heartbeat_verdict
@@ -57,15 +65,17 @@ first_claim_falls_back = records.first_claim_falls_back
 first_claim_transition = records.first_claim_transition
 may_try_again_after_expiry = records.may_try_again_after_expiry
 
+Edit = tuple[str, str, str]  # (a file under lily_mongo/, e.g. "_inbox/store.py"; its text; the text instead)
+
 
 @dataclass(frozen=True)
 class Mutant:
     name: str
     caught_by: tuple[str, ...]  # the invariants that may report it (none: equivalent)
     why: str = ""  # for an equivalent mutant: why no run of the model can tell
-    target: str = ""  # the lily_mongo._inbox.protocol attribute it replaces
+    target: str = ""  # "protocol.<function>" or "rules.<function>": the function it replaces
     function: Callable[..., Any] | None = None
-    edits: tuple[tuple[str, str], ...] = ()  # (old, new) edits of lily_mongo/inbox.py's source
+    edits: tuple[Edit, ...] = ()  # edits of the inbox's (or the skeleton's) sources
     wire: bool = True  # run with the wire checks on
 
     @property
@@ -74,53 +84,110 @@ class Mutant:
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[type[Any]]:
-        """The machine class that runs this mutant, with ``lily_mongo._inbox.protocol`` patched meanwhile."""
+        """The machine class that runs this mutant, with the target module patched meanwhile."""
         from tests.property.test_inbox_model import InboxModel
 
-        module = inbox_module(edit(SOURCE, self.edits), self.name) if self.edits else shipped_inbox
-        machine = type(
-            f"Mutant_{self.name.replace('-', '_')}", (InboxModel,), {"INBOX": module, "CHECK_WIRE": self.wire}
-        )
         with contextlib.ExitStack() as stack:
+            module = stack.enter_context(edited_inbox(self.edits, self.name)) if self.edits else shipped_inbox
+            machine = type(
+                f"Mutant_{self.name.replace('-', '_')}", (InboxModel,), {"INBOX": module, "CHECK_WIRE": self.wire}
+            )
             if self.target:
-                stack.enter_context(mock.patch.object(records, self.target, self.function))
+                where, _, attribute = self.target.partition(".")
+                stack.enter_context(mock.patch.object(TARGETS[where], attribute, self.function))
             yield machine
 
 
-def edit(source: str, edits: tuple[tuple[str, str], ...]) -> str:
-    for old, new in edits:
-        assert source.count(old) == 1, f"the mutant's target is no longer in lily_mongo/inbox.py once: {old[:80]!r}"
-        source = source.replace(old, new)
-    return source
+class _Copies(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves copies of packages of lily_mongo under other names, from their files with ``sources`` replacing
+    some of them; references between the copied packages point at the copies."""
+
+    def __init__(self, names: Mapping[str, str], sources: Mapping[str, str], label: str) -> None:
+        self.names = names  # "_inbox" -> "_inbox_mutant_3"
+        self.sources = sources  # "_inbox/store.py" -> its edited text
+        self.label = label
+        self.directories = {f"lily_mongo.{copy}": original for original, copy in names.items()}
+
+    def _file(self, fullname: str) -> tuple[str, bool] | None:
+        for package, original in self.directories.items():
+            if fullname == package:
+                return f"{original}/__init__.py", True
+            if fullname.startswith(package + "."):
+                relative = f"{original}/{fullname[len(package) + 1 :]}.py"
+                return (relative, False) if (PACKAGE / relative).exists() else None
+        return None
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        found = self._file(fullname)
+        if found is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self, is_package=found[1])
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        found = self._file(module.__name__)
+        assert found is not None
+        relative = found[0]
+        source = self.sources.get(relative) or (PACKAGE / relative).read_text()
+        for original, copy in self.names.items():
+            source = source.replace(f"from ..{original} import", f"from ..{copy} import")
+            source = source.replace(f"from ..{original}.", f"from ..{copy}.")
+        exec(compile(source, f"<{self.label} of lily_mongo/{relative}>", "exec"), module.__dict__)
 
 
-def inbox_module(source: str, name: str) -> types.ModuleType:
-    """``source`` (a version of lily_mongo/inbox.py) loaded as a module of the package."""
-    module_name = f"lily_mongo._inbox_{name.replace('-', '_')}"
-    spec = importlib.util.spec_from_loader(module_name, loader=None)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = "lily_mongo"
-    sys.modules[module_name] = module  # dataclasses look their module up
-    exec(compile(source, f"<{name} of lily_mongo/inbox.py>", "exec"), module.__dict__)
-    return module
+_copy_numbers = itertools.count(1)
 
 
-# -- edits of lily_mongo/inbox.py --------------------------------------------------------------------
+@contextlib.contextmanager
+def edited_inbox(edits: tuple[Edit, ...], label: str) -> Iterator[types.ModuleType]:
+    """A copy of ``lily_mongo._inbox`` (and of every other package an edit touches) with ``edits`` applied."""
+    sources: dict[str, str] = {}
+    for path, old, new in edits:
+        source = sources.get(path) or (PACKAGE / path).read_text()
+        assert source.count(old) == 1, f"the mutant's target is no longer in lily_mongo/{path} once: {old[:80]!r}"
+        sources[path] = source.replace(old, new)
+    number = next(_copy_numbers)
+    packages = {"_inbox"} | {path.split("/")[0] for path, _, _ in edits}
+    names = {package: f"{package}_mutant_{number}" for package in sorted(packages)}
+    yield from _loaded(names, sources, label)
 
+
+@contextlib.contextmanager
+def other_inbox(directory: Path) -> Iterator[types.ModuleType]:
+    """Another revision's ``lily_mongo/_inbox/`` folder, loaded as a copy of the package."""
+    sources = {f"_inbox/{file.name}": file.read_text() for file in directory.glob("*.py")}
+    yield from _loaded({"_inbox": f"_inbox_other_{next(_copy_numbers)}"}, sources, "another revision")
+
+
+def _loaded(names: Mapping[str, str], sources: Mapping[str, str], label: str) -> Iterator[types.ModuleType]:
+    finder = _Copies(names, sources, label)
+    sys.meta_path.insert(0, finder)
+    try:
+        yield importlib.import_module(f"lily_mongo.{names['_inbox']}")
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [name for name in sys.modules if any(f"lily_mongo.{copy}" in name for copy in names.values())]:
+            del sys.modules[name]
+
+
+# -- edits of the inbox's sources ----------------------------------------------------------------------
+
+ATTEMPTS = "_inbox/attempts.py"
 COMPLETION = """            else:
-                bound = _in_time(lease)
+                bound = in_time(lease)
                 try:
                     with pymongo.timeout(bound):
-                        done = await self._records.update_one(
+                        done = await store.records.update_one(
                             records.fence(lease.key, lease.owner, lease.token),
-                            records.completion_update(retention_seconds=self._options.retention_seconds),
+                            records.completion_update(retention_seconds=store.options.retention_seconds),
                             session=session,
                         )
                 except PyMongoError as exc:
                     await self._abort(session)
                     if timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
-                        raise _Deferral(self._claim_failed(exc, bound)) from exc
+                        raise Deferral(store.claim_failed(exc, bound)) from exc
                     raise self._failed(exc, "the completion write") from exc
                 if done.matched_count == 0:
                     await self._abort(session)
@@ -130,19 +197,25 @@ AFTER_THE_HANDLER = """            if result.outcome is not Outcome.SUCCESS:
                 await self._abort(session)
                 return result
 """
-# Two steps of Inbox._attempt swapped: the handler runs before the completion write.
+# Two steps of Attempts._attempt swapped: the handler runs before the completion write.
 COMPLETION_AFTER_THE_HANDLER = (
-    (COMPLETION, ""),
+    (ATTEMPTS, COMPLETION, ""),
     (
+        ATTEMPTS,
         AFTER_THE_HANDLER,
         AFTER_THE_HANDLER + COMPLETION.replace("            else:\n", "            if not lease.first:\n"),
     ),
 )
-MAJORITY_HANDLE = """        self._outside = self._records.with_options(
+STORE = "_inbox/store.py"
+MAJORITY_HANDLE = """        self._outside = self.records.with_options(
             write_concern=WriteConcern("majority"), read_concern=ReadConcern("majority")
         )"""
 CLIENTS_WRITE_CONCERN = (
-    (MAJORITY_HANDLE, """        self._outside = self._records.with_options(read_concern=ReadConcern("majority"))"""),
+    (
+        STORE,
+        MAJORITY_HANDLE,
+        """        self._outside = self.records.with_options(read_concern=ReadConcern("majority"))""",
+    ),
 )
 CLAIM_BOUND = """        with pymongo.timeout(wait):
             for _ in range(3):
@@ -153,33 +226,40 @@ CLAIM_BOUND = """        with pymongo.timeout(wait):
                 except DuplicateKeyError:
                     continue  # two concurrent upserts of a new key: the loser retries as an update
                 assert record is not None
-                return record
+                return records.read_claim(record, owner)
 """
-UNBOUNDED_CLAIM = ((CLAIM_BOUND, CLAIM_BOUND.replace("        with pymongo.timeout(wait):\n", "        if True:\n")),)
+UNBOUNDED_CLAIM = (
+    (STORE, CLAIM_BOUND, CLAIM_BOUND.replace("        with pymongo.timeout(wait):\n", "        if True:\n")),
+)
 UNBOUNDED_RENEWAL = (
     (
-        "            with pymongo.timeout(min(lease.wait, self._heartbeat_seconds)):\n",
-        "            if True:\n",
+        "_inbox/heartbeat.py",
+        "        with pymongo.timeout(min(lease.wait, self._seconds)):\n",
+        "        if True:\n",
     ),
 )
+INBOX = "_inbox/inbox.py"
 NO_COUNT_AFTER_A_FAILED_CLAIM = (
     (
-        """            execution.result = self._claim_failed(exc, bound)
+        INBOX,
+        """            execution.result = self._store.claim_failed(exc, bound)
             await self._count_into(execution, claimant)""",
-        """            execution.result = self._claim_failed(exc, bound)""",
+        """            execution.result = self._store.claim_failed(exc, bound)""",
     ),
 )
 NO_COUNT_FOR_A_FIRST_TIME_DEFERRAL = (
     (
-        """                    # No record of its own counts this deferral: a counting record does.
-                    await self._count_into(execution, first)""",
-        """                    pass""",
+        INBOX,
+        """            # No record of its own counts this deferral: a counting record does.
+            await self._count_into(execution, first)""",
+        """            pass""",
     ),
 )
 DUPLICATE_ABORTS = (
     (
+        ATTEMPTS,
         """                    try:
-                        with pymongo.timeout(_in_time(lease)):
+                        with pymongo.timeout(in_time(lease)):
                             await session.commit_transaction()
                     except PyMongoError:""",
         """                    try:
@@ -189,22 +269,29 @@ DUPLICATE_ABORTS = (
 )
 NO_CLAIM_TIME_EXPIRY_CHECK = (
     (
-        "            if records.may_try_again_after_expiry(claim.expirations):\n",
+        INBOX,
+        "            if protocol.may_try_again_after_expiry(claim.expirations):\n",
         "            if True:\n",
     ),
 )
 CANCELLED_RELEASE_DELETES = (
     (
+        STORE,
         "records.cancelled_release_filter(lease.key, lease.owner, lease.token)",
         "fence",
     ),
 )
 NO_CANCEL_CHECK = (
-    ("                raise_if_cancel_requested()  # cancelled while the attempt ignored it: no replay\n", ""),
+    (
+        "_mongo/transactions.py",
+        "            raise_if_cancel_requested()  # cancelled while the attempt ignored it: no replay\n",
+        "",
+    ),
 )
 EXPIRY_NOT_IN_THE_RECORD = (
     (
-        "        counted = await self._count(lease, records.EXPIRATIONS, bound=_in_time(lease))\n",
+        ATTEMPTS,
+        "        counted = await self._store.count(lease, records.EXPIRATIONS, bound=in_time(lease))\n",
         "        counted = None\n",
     ),
 )
@@ -441,7 +528,7 @@ COST_ONLY = (
     "to the lease claim); which copies do it only changes the commands they cost"
 )
 OWNER_UNIQUE = (
-    "owner ids are unique per claim (inbox.py draws one per delivery), so the owner alone fences; "
+    "owner ids are unique per claim (the inbox draws one per delivery), so the owner alone fences; "
     "the token matters only if an owner id were reused"
 )
 COMPLETION_FIRST = (
@@ -454,12 +541,12 @@ def mutant(name: str, target: str, function: Callable[..., Any], *caught_by: str
     return Mutant(name, tuple(caught_by), why, target=target, function=function)
 
 
-def source(name: str, edits: tuple[tuple[str, str], ...], *caught_by: str, why: str = "", wire: bool = True) -> Mutant:
+def source(name: str, edits: tuple[Edit, ...], *caught_by: str, why: str = "", wire: bool = True) -> Mutant:
     return Mutant(name, tuple(caught_by), why, edits=edits, wire=wire)
 
 
 MUTANTS: list[Mutant] = [
-    # -- lily_mongo/inbox.py, edited: the holes of docs/inbox.md reopened one by one -----------------
+    # -- the inbox's sources, edited: the holes of docs/inbox.md reopened one by one --------------------
     source("inbox-completion-after-the-handler", COMPLETION_AFTER_THE_HANDLER, "concurrent-handlers"),
     source("inbox-claims-with-the-clients-write-concern", CLIENTS_WRITE_CONCERN, "ack-proof", "liveness", wire=False),
     source("inbox-claims-with-the-clients-write-concern-wire", CLIENTS_WRITE_CONCERN, "majority"),
@@ -480,56 +567,62 @@ MUTANTS: list[Mutant] = [
         NO_CANCEL_CHECK,
         why="the model's handlers never ignore a cancellation, so a cancelled attempt never reaches a replay",
     ),
-    # -- lily_mongo._inbox.protocol, replaced ---------------------------------------------------------------
-    mutant("read_claim-held-as-leased", "read_claim", held_as_leased, "claim-reading"),
-    mutant("read_claim-held-as-duplicate", "read_claim", held_as_duplicate, "ack-proof"),
-    mutant("read_claim-completed-as-leased", "read_claim", completed_as_leased, "claim-reading"),
-    mutant("claim-ignores-expiry", "claim_transition", claim_ignores_expiry, "liveness"),
-    mutant("claim-ignores-live-lease", "claim_transition", claim_ignores_live_lease, "exclusive-lease"),
-    mutant("claim-expires-1s-early", "claim_transition", claim_expires_early, "exclusive-lease"),
-    mutant("claim-keeps-token", "claim_transition", claim_keeps_token, why=OWNER_UNIQUE),
-    mutant("claim-takes-completed", "claim_transition", claim_takes_completed, "exclusive-lease"),
-    mutant("claim-counts-no-deferral", "claim_transition", claim_counts_no_deferral, "bounded-requeue"),
-    mutant("completion-ignores-token", "completion_transition", completion_ignores_token, why=OWNER_UNIQUE),
-    mutant("completion-ignores-fence", "completion_transition", completion_ignores_fence, "fencing"),
-    mutant("renewal-ignores-fence", "renewal_transition", renewal_ignores_fence, "fencing"),
-    mutant("release-ignores-fence", "release_transition", release_ignores_fence, "fencing"),
-    mutant("release-counts-no-deferral", "release_transition", release_counts_no_deferral, "bounded-requeue"),
-    mutant("count-adds-nothing", "count_transition", count_adds_nothing, "bounded-requeue", "lifetime"),
-    mutant("classify-replays-unknown-commit", "classify_error", replays_unknown_commit, "reconciliation"),
-    mutant("classify-retries-failed-commit", "classify_error", retries_failed_commit, "replay"),
-    mutant("classify-defers-transient", "classify_error", defers_transient, "replay"),
-    mutant("replay-one-short", "next_after_replay", replay_one_short, "replay"),
-    mutant("replay-one-extra", "next_after_replay", replay_one_extra, "replay"),
-    mutant("replay-unbounded", "next_after_replay", replay_unbounded, "replay"),
-    mutant("reconcile-others-as-committed", "reconcile", others_completion_is_committed, "ack-proof"),
-    mutant("reconcile-own-as-duplicate", "reconcile", own_completion_is_duplicate, "reconciliation"),
-    mutant("reconcile-lease-as-committed", "reconcile", own_lease_is_committed, "ack-proof"),
+    # -- the record protocol and the transaction rules, replaced ------------------------------------------
+    mutant("read_claim-held-as-leased", "protocol.read_claim", held_as_leased, "claim-reading"),
+    mutant("read_claim-held-as-duplicate", "protocol.read_claim", held_as_duplicate, "ack-proof"),
+    mutant("read_claim-completed-as-leased", "protocol.read_claim", completed_as_leased, "claim-reading"),
+    mutant("claim-ignores-expiry", "protocol.claim_transition", claim_ignores_expiry, "liveness"),
+    mutant("claim-ignores-live-lease", "protocol.claim_transition", claim_ignores_live_lease, "exclusive-lease"),
+    mutant("claim-expires-1s-early", "protocol.claim_transition", claim_expires_early, "exclusive-lease"),
+    mutant("claim-keeps-token", "protocol.claim_transition", claim_keeps_token, why=OWNER_UNIQUE),
+    mutant("claim-takes-completed", "protocol.claim_transition", claim_takes_completed, "exclusive-lease"),
+    mutant("claim-counts-no-deferral", "protocol.claim_transition", claim_counts_no_deferral, "bounded-requeue"),
+    mutant("completion-ignores-token", "protocol.completion_transition", completion_ignores_token, why=OWNER_UNIQUE),
+    mutant("completion-ignores-fence", "protocol.completion_transition", completion_ignores_fence, "fencing"),
+    mutant("renewal-ignores-fence", "protocol.renewal_transition", renewal_ignores_fence, "fencing"),
+    mutant("release-ignores-fence", "protocol.release_transition", release_ignores_fence, "fencing"),
+    mutant("release-counts-no-deferral", "protocol.release_transition", release_counts_no_deferral, "bounded-requeue"),
+    mutant("count-adds-nothing", "protocol.count_transition", count_adds_nothing, "bounded-requeue", "lifetime"),
+    mutant("classify-replays-unknown-commit", "rules.classify_error", replays_unknown_commit, "reconciliation"),
+    mutant("classify-retries-failed-commit", "rules.classify_error", retries_failed_commit, "replay"),
+    mutant("classify-defers-transient", "rules.classify_error", defers_transient, "replay"),
+    mutant("replay-one-short", "rules.next_after_replay", replay_one_short, "replay"),
+    mutant("replay-one-extra", "rules.next_after_replay", replay_one_extra, "replay"),
+    mutant("replay-unbounded", "rules.next_after_replay", replay_unbounded, "replay"),
+    mutant("reconcile-others-as-committed", "protocol.reconcile", others_completion_is_committed, "ack-proof"),
+    mutant("reconcile-own-as-duplicate", "protocol.reconcile", own_completion_is_duplicate, "reconciliation"),
+    mutant("reconcile-lease-as-committed", "protocol.reconcile", own_lease_is_committed, "ack-proof"),
     mutant(
         "may_renew-while-holding",
-        "may_renew",
+        "protocol.may_renew",
         renews_while_holding,
         why="a renewal of a record the attempt's own transaction holds waits for that transaction (MongoDB) and "
         "runs out of its maxTimeMS; after it the fence no longer matches or the lease is as before: nothing "
         "observable changes",
     ),
-    mutant("heartbeat-never-lost", "heartbeat_verdict", never_lost, why=COMPLETION_FIRST),
-    mutant("lifetime-never-outlived", "outlived", constantly(False), "lifetime"),
-    mutant("lifetime-two-more-tries", "may_try_again_after_expiry", two_more_tries, "lifetime"),
+    mutant("heartbeat-never-lost", "protocol.heartbeat_verdict", never_lost, why=COMPLETION_FIRST),
+    mutant("lifetime-never-outlived", "protocol.outlived", constantly(False), "lifetime"),
+    mutant("lifetime-two-more-tries", "protocol.may_try_again_after_expiry", two_more_tries, "lifetime"),
     mutant(
         "first-claim-contended-as-claimed",
-        "read_first_claim",
+        "protocol.read_first_claim",
         contended_as_claimed,
         "at-most-once",
         "ack-proof",
         "concurrent-handlers",
     ),
-    mutant("first-claim-duplicate-as-claimed", "read_first_claim", duplicate_as_claimed, "at-most-once", "ack-proof"),
-    mutant("first-claim-contended-as-duplicate", "read_first_claim", contended_as_duplicate, "ack-proof"),
-    mutant("first-claim-overwrites", "first_claim_transition", first_claim_overwrites, "exclusive-lease"),
+    mutant(
+        "first-claim-duplicate-as-claimed",
+        "protocol.read_first_claim",
+        duplicate_as_claimed,
+        "at-most-once",
+        "ack-proof",
+    ),
+    mutant("first-claim-contended-as-duplicate", "protocol.read_first_claim", contended_as_duplicate, "ack-proof"),
+    mutant("first-claim-overwrites", "protocol.first_claim_transition", first_claim_overwrites, "exclusive-lease"),
     mutant(
         "first-claim-writes-a-lease",
-        "first_claim_transition",
+        "protocol.first_claim_transition",
         first_claim_writes_a_lease,
         "claim-reading",
         "at-most-once",
@@ -538,22 +631,22 @@ MUTANTS: list[Mutant] = [
     ),
     mutant(
         "first-claim-falls-back-on-any-error",
-        "first_claim_falls_back",
+        "protocol.first_claim_falls_back",
         constantly(True),
         why="an unlabelled error of the claim in the transaction then takes the lease claim instead of deferring: "
         "the claim meets the same server and defers if it fails too (a command more, not a guarantee)",
     ),
     # A transient error of the claim in the transaction is a contention, no replay (docs/inbox.md):
     # counted as one, it spends the replay budget of a delivery whose handler never failed.
-    mutant("first-claim-never-falls-back", "first_claim_falls_back", constantly(False), "replay"),
-    mutant("first-claim-for-every-copy", "claims_in_transaction", constantly(True), why=COST_ONLY),
-    mutant("first-claim-never", "claims_in_transaction", constantly(False), why=COST_ONLY),
+    mutant("first-claim-never-falls-back", "protocol.first_claim_falls_back", constantly(False), "replay"),
+    mutant("first-claim-for-every-copy", "protocol.claims_in_transaction", constantly(True), why=COST_ONLY),
+    mutant("first-claim-never", "protocol.claims_in_transaction", constantly(False), why=COST_ONLY),
 ]
 
 
 @dataclass
 class Found:
-    """What the scenarios and the random runs found against one mutant (or another inbox.py)."""
+    """What the scenarios and the random runs found against one mutant (or another revision's inbox)."""
 
     by_scenario: Any = None
     by_machine: Any = None
@@ -626,16 +719,22 @@ def score(examples: int, *, only: str = "") -> int:
 
 
 def against(path: Path, examples: int) -> int:
-    """Run the scenarios, then the random machine, against another inbox.py.
+    """Run the scenarios, then the random machine, against another revision's ``lily_mongo/_inbox/`` folder.
 
     The wire checks are off, and an ACK of a completion that is not yet majority-committed is
     let through, so each scenario shows what its hole leads to (the drain's liveness check
     reports an event ACKed and then rolled back as lost).
     """
-    from tests.property.test_inbox_model import SCENARIOS, InboxModel, play
+    from tests.property.test_inbox_model import InboxModel
 
-    module = inbox_module(path.read_text(), "other")
-    machine = type("OtherInbox", (InboxModel,), {"INBOX": module, "CHECK_WIRE": False, "CHECK_ACK_MAJORITY": False})
+    with other_inbox(path) as module:
+        machine = type("OtherInbox", (InboxModel,), {"INBOX": module, "CHECK_WIRE": False, "CHECK_ACK_MAJORITY": False})
+        return _play_all(machine, examples)
+
+
+def _play_all(machine: type[Any], examples: int) -> int:
+    from tests.property.test_inbox_model import SCENARIOS, play
+
     failures = 0
     for case in SCENARIOS:
         try:

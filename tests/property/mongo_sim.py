@@ -1,4 +1,4 @@
-"""A simulated MongoDB replica set with the async client surface :mod:`lily_mongo._inbox.inbox` uses.
+"""A simulated MongoDB replica set with the async client surface :mod:`lily_mongo._inbox` uses.
 
 The protocol model (``test_inbox_model.py``) runs the shipped ``Inbox`` against it. Every
 operation the inbox sends is held at the server until the model lets it through, with or
@@ -69,7 +69,8 @@ from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
 import lily_mongo._inbox.protocol as records
-from lily_mongo._inbox.protocol import COMPLETED, LEASED, TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL
+from lily_mongo._inbox.protocol import COMPLETED, LEASED
+from lily_mongo._mongo.rules import TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL
 
 EPOCH = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
 Doc = dict[str, Any]

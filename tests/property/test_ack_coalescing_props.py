@@ -41,16 +41,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lily_mongo._amqp import AckCoalescer
-from lily_mongo._engine.settlement import (
-    Budget,
-    Evidence,
-    Outcome,
-    PipelineResult,
-    SettleState,
-    Step,
-    StepKind,
-    settle,
-)
+from lily_mongo._engine.settlement import Budget, Evidence, SettleState, Step, StepKind, settle
+from lily_mongo._verdicts import Outcome, PipelineResult
 
 EXAMPLES = settings(
     max_examples=int(os.environ.get("LILY_MODEL_EXAMPLES", 250)),

@@ -1,6 +1,6 @@
 """A protocol model of the inbox (docs/inbox.md) that runs the shipped code, as a hypothesis state machine.
 
-Several consumer processes run :class:`lily_mongo._inbox.inbox.Inbox` itself (``execute``: its claim,
+Several consumer processes run :class:`lily_mongo._inbox.Inbox` itself (``execute``: its claim,
 attempts, commit loop, reconciliation, releases and counts; its heartbeat) against a simulated
 MongoDB replica set with the async client surface the inbox uses (``mongo_sim.py``: snapshot
 at the first operation, per-document write conflicts at the write, writers outside a
@@ -92,24 +92,16 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from pymongo.errors import PyMongoError
 
-import lily_mongo._inbox.inbox as shipped_inbox
+import lily_mongo._inbox as shipped_inbox
 import lily_mongo._inbox.protocol as records
 from lily_mongo import QueueHandlerError
-from lily_mongo._engine.settlement import (
-    Budget,
-    Evidence,
-    Execution,
-    HandoffState,
-    Outcome,
-    PipelineResult,
-    SettleState,
-    StepKind,
-    decide,
-)
+from lily_mongo._engine.settlement import Budget, Evidence, HandoffState, SettleState, StepKind, decide
 from lily_mongo._errors import ErrorCode
-from lily_mongo._inbox.protocol import COMPLETED, LEASED, TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL
+from lily_mongo._inbox.protocol import COMPLETED, LEASED
 from lily_mongo._lru import LruCounter
+from lily_mongo._mongo.rules import TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL
 from lily_mongo._tasks import TaskSet
+from lily_mongo._verdicts import Execution, Outcome, PipelineResult
 from tests.property.inbox_mutants import MUTANTS, Mutant, hunt
 from tests.property.mongo_sim import ACTOR, EPOCH, Op, Server, SimClient, Txn, TxnState, update_name
 from tests.property.mongo_sim import Fault as ServerFault

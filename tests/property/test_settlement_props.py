@@ -39,8 +39,6 @@ from lily_mongo._engine.settlement import (
     Budget,
     Evidence,
     HandoffState,
-    Outcome,
-    PipelineResult,
     SettleState,
     Step,
     StepKind,
@@ -48,6 +46,7 @@ from lily_mongo._engine.settlement import (
     decide,
     settle,
 )
+from lily_mongo._verdicts import Outcome, PipelineResult
 
 FAST = settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 MACHINE = settings(
@@ -757,7 +756,7 @@ def test_exhausted_reasons_name_the_counts() -> None:
 @pytest.mark.parametrize("outcome", [Outcome.SUCCESS, Outcome.DUPLICATE])
 def test_the_loop_without_a_watched_decide_takes_the_same_steps(outcome: Outcome) -> None:
     # The shipped loop answers the common path from precomputed decisions: same steps.
-    from lily_mongo._engine.settlement import SUCCESS
+    from lily_mongo._verdicts import SUCCESS
 
     result = SUCCESS if outcome is Outcome.SUCCESS else PipelineResult(outcome)
     for watched in (True, False):

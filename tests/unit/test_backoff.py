@@ -20,10 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lily_mongo._backoff import backoff
-from lily_mongo._engine import engine as runtime
-from lily_mongo._engine.settlement import Budget, Evidence, Execution, HandoffState, Outcome, PipelineResult
+from lily_mongo._engine import effects as effects_module
+from lily_mongo._engine.settlement import Budget, Evidence, HandoffState
 from lily_mongo._errors import PublishError
 from lily_mongo._outbox import OutboxCounters, OutboxOptions, protocol
+from lily_mongo._verdicts import Execution, Outcome, PipelineResult
 
 FAST = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -69,17 +70,17 @@ def test_backoff_is_at_least_half_the_capped_step_and_at_most_the_step(
 
 
 def pause(monkeypatch: pytest.MonkeyPatch, budget: Budget, evidence: Evidence, **options: Any) -> float:
-    """The seconds the runtime's settlement effects sleep before a requeue."""
+    """The seconds a delivery's settlement effects sleep before a requeue."""
     slept: list[float] = []
 
     async def sleep(delay: float) -> None:
         slept.append(delay)
 
-    monkeypatch.setattr(runtime.asyncio, "sleep", sleep)
+    monkeypatch.setattr(effects_module.asyncio, "sleep", sleep)
     execution = Execution(PipelineResult(Outcome.DEFERRED), backoff_limit=options.pop("backoff_limit", None))
     queue_options = SimpleNamespace(cooperation_window=options.pop("cooperation_window", 5.0))
-    delivery = SimpleNamespace(execution=execution, qr=SimpleNamespace(options=queue_options))
-    effects = runtime._Effects(None, delivery)  # type: ignore[arg-type]
+    delivery = SimpleNamespace(execution=execution, qs=SimpleNamespace(options=queue_options))
+    effects = effects_module.DeliveryEffects(None, delivery)  # type: ignore[arg-type]
     asyncio.run(effects.pause_before_requeue(budget, evidence))
     (delay,) = slept
     return delay

@@ -29,9 +29,9 @@ from lily_mongo import (
     Text,
 )
 from lily_mongo._engine.dispatch import Prepared, Services, invoke, prepare
-from lily_mongo._engine.settlement import Outcome, PipelineResult
-from lily_mongo._inbox.inbox import MongoScope
+from lily_mongo._inbox import MongoScope
 from lily_mongo._plan.plan import HandlerRoute, Plan, PlanBuilder, QueueOptions, queue
+from lily_mongo._verdicts import Outcome, PipelineResult
 
 Handler = Callable[..., Awaitable[None]]
 QUEUE = "orders"

@@ -1,5 +1,5 @@
 """The engine without servers: the deadline path of one delivery, the engine's phases and the
-consumer's lifecycle state, through the runtime's in-process transport.
+consumer's lifecycle state, through the engine's in-process transport.
 
 docs/lifecycle.md, section 5: past its deadline a handler is cancelled; one that ends within the
 cooperation window gets the timeout verdict (a retry copy), one that returns normally keeps its own
@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from lily_mongo import ConfigError, Consumer, Json, LilyError, RetryPolicy, TerminalObservation, queue
-from lily_mongo._engine.engine import Phase, Received, Runtime
+from lily_mongo._engine.engine import Engine, Phase
+from lily_mongo._engine.message import InboundMessage
 from lily_mongo._lifecycle import ManagedConsumer
 from lily_mongo._supervision import Lifecycle, State
 from lily_mongo._tasks import TaskSet
@@ -59,8 +60,8 @@ class Message:
         self.settled.append("reject")
 
 
-def engine(handler: Callable[[Any], Awaitable[None]], deadline: float = DEADLINE) -> tuple[Runtime, list[str]]:
-    """A runtime for one handler (cooperation window 100 ms), and the routing keys it handed off to."""
+def make_engine(handler: Callable[[Any], Awaitable[None]], deadline: float = DEADLINE) -> tuple[Engine, list[str]]:
+    """An engine for one handler (cooperation window 100 ms), and the routing keys it handed off to."""
     consumer = Consumer(amqp_url="amqp://unused/", name="t", telemetry=False)
     consumer.configure_queue(
         Q, deadline=deadline, cooperation_window=WINDOW, retry=RetryPolicy(max_retries=1, delays=(30,))
@@ -68,12 +69,12 @@ def engine(handler: Callable[[Any], Awaitable[None]], deadline: float = DEADLINE
     consumer.include(queue(Q, version=1)(handler))
     copies: list[str] = []
 
-    async def handoff(_message: Received, routing_key: str, _headers: Mapping[str, Any]) -> None:
+    async def handoff(_message: InboundMessage, routing_key: str, _headers: Mapping[str, Any]) -> None:
         copies.append(routing_key)
 
-    runtime = Runtime(consumer.plan(), None, TaskSet(), inbox=None, confirm_timeout=1.0, handoff=handoff)
-    runtime.open_in_process()
-    return runtime, copies
+    engine = Engine(consumer.plan(), TaskSet(), inbox=None, handoff=handoff)
+    engine.open()
+    return engine, copies
 
 
 async def until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
@@ -83,8 +84,8 @@ async def until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def only(runtime: Runtime) -> TerminalObservation:
-    (observation,) = runtime.observations.items()
+def only(engine: Engine) -> TerminalObservation:
+    (observation,) = engine.observations.items()
     return observation
 
 
@@ -92,14 +93,14 @@ async def test_a_handler_that_stops_at_the_cancellation_is_retried_with_the_time
     async def handler(body: Json[dict[str, Any]]) -> None:
         await asyncio.sleep(60)
 
-    runtime, copies = engine(handler)
+    engine, copies = make_engine(handler)
     message = Message()
-    await runtime.deliver(Q, message)
-    observation = only(runtime)
+    await engine.deliver(Q, message)
+    observation = only(engine)
     assert (observation.outcome, observation.code) == ("retried", "QUEUE_HANDLER_TIMEOUT")
     assert copies == [f"{Q}.retry.0"]
     assert message.settled == ["ack"]
-    assert runtime.snapshots()[0].abandoned == 0
+    assert engine.snapshots()[0].abandoned == 0
 
 
 async def test_a_handler_that_returns_within_the_window_keeps_its_own_verdict() -> None:
@@ -109,10 +110,10 @@ async def test_a_handler_that_returns_within_the_window_keeps_its_own_verdict() 
         except asyncio.CancelledError:
             return  # it chose to finish
 
-    runtime, copies = engine(handler)
+    engine, copies = make_engine(handler)
     message = Message()
-    await runtime.deliver(Q, message)
-    assert only(runtime).outcome == "acked"
+    await engine.deliver(Q, message)
+    assert only(engine).outcome == "acked"
     assert copies == []
     assert message.settled == ["ack"]
 
@@ -129,24 +130,24 @@ async def test_a_handler_that_ignores_the_cancellation_is_dropped_and_its_late_r
                 continue  # ignores every cancellation
         returned.set()
 
-    runtime, copies = engine(handler)
+    engine, copies = make_engine(handler)
     message = Message()
-    delivering = asyncio.ensure_future(runtime.deliver(Q, message))
-    await until(lambda: len(runtime.observations) == 1)
-    observation = only(runtime)
+    delivering = asyncio.ensure_future(engine.deliver(Q, message))
+    await until(lambda: len(engine.observations) == 1)
+    observation = only(engine)
     assert (observation.outcome, observation.code) == ("retried", "QUEUE_HANDLER_TIMEOUT")
     assert "dropped" in observation.reason
     assert observation.duration >= DEADLINE + WINDOW
-    assert runtime.snapshots()[0].abandoned == 1
-    assert runtime.snapshots()[0].in_flight == 0  # its permit came back while the handler still runs
+    assert engine.snapshots()[0].abandoned == 1
+    assert engine.snapshots()[0].in_flight == 0  # its permit came back while the handler still runs
     assert not returned.is_set()
     assert not delivering.done()
-    assert not runtime.unsettled()
+    assert not engine.unsettled()
 
     release.set()
     await delivering
     assert returned.is_set()
-    assert only(runtime).outcome == "retried"  # the late success is discarded: one outcome, one copy
+    assert only(engine).outcome == "retried"  # the late success is discarded: one outcome, one copy
     assert copies == [f"{Q}.retry.0"]
     assert message.settled == ["ack"]
 
@@ -161,30 +162,31 @@ async def test_after_a_forced_shutdown_an_unsettled_delivery_is_recorded_unresol
             except asyncio.CancelledError:
                 continue
 
-    runtime, _ = engine(handler, deadline=60.0)
-    delivering = asyncio.ensure_future(runtime.deliver(Q, Message()))
-    await until(lambda: bool(runtime.unsettled()))
-    runtime.force_notice()
-    runtime.revoke()
-    assert runtime.abandon_unfinished() == 1
-    assert runtime.abandon_unfinished() == 0
-    assert only(runtime).outcome == "unresolved"
+    engine, _ = make_engine(handler, deadline=60.0)
+    delivering = asyncio.ensure_future(engine.deliver(Q, Message()))
+    await until(lambda: bool(engine.unsettled()))
+    engine.force_notice()
+    engine.revoke()
+    assert engine.abandon_unfinished() == 1
+    assert engine.abandon_unfinished() == 0
+    assert only(engine).outcome == "unresolved"
     release.set()
     await delivering
-    assert only(runtime).outcome == "unresolved"
+    assert only(engine).outcome == "unresolved"
 
 
 async def test_the_engine_phase_only_moves_forward() -> None:
     async def handler(body: Json[dict[str, Any]]) -> None:
         pass
 
-    runtime, _ = engine(handler)
-    assert runtime.phase is Phase.RUNNING
-    runtime.revoke()
-    assert await runtime.stop_intake() == []
-    runtime.force_notice()
-    assert runtime.phase is Phase.REVOKED
-    assert not runtime.accepting
+    engine, _ = make_engine(handler)
+    assert engine.phase is Phase.RUNNING
+    engine.revoke()
+    engine.stop_accepting()
+    await engine.return_buffered()
+    engine.force_notice()
+    assert engine.phase is Phase.REVOKED
+    assert not engine.accepting
 
 
 def test_the_lifecycle_state_only_moves_forward() -> None:

@@ -24,7 +24,7 @@ from pamqp import frame as pamqp_frame
 from pamqp import header as pamqp_header
 from pamqp.heartbeat import Heartbeat
 
-from lily_mongo._amqp import MALFORMED_HEADER, InboundMessage, LenientFrameReader, LilyProperties, patches
+from lily_mongo._amqp import MALFORMED_HEADER, AmqpMessage, LenientFrameReader, LilyProperties, patches
 from lily_mongo._amqp.patches import FastFrameReceiver, unbounded_frame_queue
 from tests.support import long_string_value, raw_properties, raw_table, same, short_bytes
 from tests.versions import untested
@@ -291,7 +291,7 @@ def test_an_inbound_message_takes_the_mark_out_of_its_headers() -> None:
         body=b"",
         channel=None,  # type: ignore[arg-type]
     )
-    message = InboundMessage(delivered)
+    message = AmqpMessage(delivered)
     assert message.malformed == "a header name is not valid UTF-8"
     assert message.headers == {"x-lily-event-id": EVENT_ID}
 
@@ -303,7 +303,7 @@ def test_an_ordinary_inbound_message_is_not_marked() -> None:
         body=b"",
         channel=None,  # type: ignore[arg-type]
     )
-    assert InboundMessage(delivered).malformed is None
+    assert AmqpMessage(delivered).malformed is None
 
 
 def test_an_inbound_message_reads_its_other_properties_from_the_frame() -> None:
@@ -313,7 +313,7 @@ def test_an_inbound_message_reads_its_other_properties_from_the_frame() -> None:
     )
     properties.timestamp, properties.message_type, properties.message_id, properties.user_id = stamp, "t", "m", "u"
     header = pamqp_header.ContentHeader(0, 0, properties)
-    message = InboundMessage(aiormq.abc.DeliveredMessage(spec.Basic.Deliver("ctag", 2), header, b"", None))  # type: ignore[arg-type]
+    message = AmqpMessage(aiormq.abc.DeliveredMessage(spec.Basic.Deliver("ctag", 2), header, b"", None))  # type: ignore[arg-type]
     assert (message.content_encoding, message.correlation_id, message.reply_to) == ("gzip", "c-1", "answers")
     assert (message.app_id, message.priority, message.timestamp) == ("shop", 7, stamp)
     assert (message.type, message.message_id, message.user_id) == ("t", "m", "u")

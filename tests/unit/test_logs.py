@@ -12,7 +12,7 @@ import pytest
 
 from lily_mongo._cli.logs import COMMAND_LOGGER, JsonFormatter, TextFormatter
 from lily_mongo._cli.workers import MAX_RESTARTS, exit_status, restart_delay
-from lily_mongo._engine.engine import _log_fields
+from lily_mongo._engine.logs import log_fields
 from lily_mongo._text import bind_reason
 
 
@@ -40,9 +40,9 @@ def test_a_json_line_holds_the_fields_that_are_set_and_the_traceback_in_one_fiel
 
 
 def test_the_delivery_fields_leave_out_a_missing_code_and_give_milliseconds() -> None:
-    acked = _log_fields("q", "h", "e", "acked", None, 0.0123456)
+    acked = log_fields("q", "h", "e", "acked", None, 0.0123456)
     assert acked == {"queue": "q", "handler": "h", "event_id": "e", "outcome": "acked", "duration_ms": 12.346}
-    dead = _log_fields("q", "h", None, "dead_lettered", "ORDER_INVALID", 0.5)
+    dead = log_fields("q", "h", None, "dead_lettered", "ORDER_INVALID", 0.5)
     assert dead["code"] == "ORDER_INVALID"
     assert dead["event_id"] is None
 

@@ -30,7 +30,7 @@ from lily_mongo import (
     Text,
 )
 from lily_mongo._engine.dispatch import select_route as dispatch
-from lily_mongo._inbox.inbox import MongoScope
+from lily_mongo._inbox import MongoScope
 from lily_mongo._plan.extractors import PayloadDecodeError, new_raw_delivery
 from lily_mongo._plan.plan import HandlerRoute, Plan, PlanBuilder, QueueOptions, RetryPolicy, queue
 from lily_mongo._topology import topology_names

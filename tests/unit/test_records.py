@@ -20,17 +20,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lily_mongo._clock import clock_offset
 from lily_mongo._inbox.protocol import (
     Claim,
     ClaimKind,
-    ErrorStep,
     FirstClaim,
     Heartbeat,
     Reconciled,
     claim_transition,
     claims_in_transaction,
-    classify_error,
-    clock_offset,
     completion_transition,
     fence,
     first_claim_falls_back,
@@ -38,13 +36,13 @@ from lily_mongo._inbox.protocol import (
     first_claim_update,
     heartbeat_verdict,
     may_renew,
-    next_after_replay,
     read_claim,
     read_first_claim,
     reconcile,
     release_transition,
     renewal_transition,
 )
+from lily_mongo._mongo.rules import ErrorStep, classify_error, next_after_replay
 
 FAST = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 

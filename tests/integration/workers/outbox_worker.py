@@ -102,7 +102,7 @@ async def run_relay(args: argparse.Namespace, client: AsyncMongoClient[Any]) -> 
     )
     await relay.start()
     if args.mark_delay:
-        part = relay.runtime.relay
+        part = relay.process.relay
         part._majority = HeldMarks(part._majority, args.mark_delay)  # type: ignore[assignment]
     relay.install_signal_handlers()
     emit({"ready": args.name, "pid": os.getpid()})

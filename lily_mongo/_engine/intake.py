@@ -1,0 +1,208 @@
+"""The AMQP intake: one consuming channel per queue feeding the engine, and the confirming handoff channel.
+
+Per physical queue a channel of its own (so prefetch and admission are per queue and
+a slow queue never starves another), consumed straight through aiormq: each
+delivery becomes one light :class:`~lily_mongo._amqp.AmqpMessage` handed to
+:meth:`Engine.receive`. A robust channel that comes back (a reconnect, a channel error)
+is consumed again; a new connection transport is a new transport generation, whose
+predecessors' deliveries have no settlement authority (docs/settlement.md, generations).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
+
+import aio_pika
+import aio_pika.abc
+import aiormq.abc
+
+from .._amqp import AckCoalescer, AmqpMessage, republish, unbounded_frame_queue
+from .._errors import PublishError
+from .engine import Engine
+from .message import InboundMessage
+from .queues import QueueState
+
+__all__ = ["AmqpIntake", "QueueConsumer"]
+
+log = logging.getLogger("lily_mongo")
+
+
+class QueueConsumer:
+    """One queue's consuming side: its channel, the queue, its consumer tag, the channel's ACK coalescer."""
+
+    __slots__ = ("acks", "channel", "consumer_tag", "queue", "state")
+
+    def __init__(self, state: QueueState) -> None:
+        self.state = state
+        self.channel: aio_pika.abc.AbstractChannel | None = None
+        self.queue: aio_pika.abc.AbstractQueue | None = None
+        self.consumer_tag: str | None = None
+        self.acks: AckCoalescer | None = None  # the current channel's ACK coalescer (ack_delay > 0)
+
+
+class AmqpIntake:
+    """Feeds an :class:`Engine` from one AMQP connection; publishes its handoff copies."""
+
+    def __init__(self, connection: aio_pika.abc.AbstractConnection, *, confirm_timeout: float) -> None:
+        self.connection = connection
+        self.confirm_timeout = confirm_timeout
+        self.handoff_channel: aio_pika.abc.AbstractChannel | None = None
+        self.consumers: dict[str, QueueConsumer] = {}
+        self._engine: Engine | None = None
+        self._transport: object | None = None  # the connection's transport the generation counts
+
+    async def start(self, engine: Engine) -> None:
+        """Open the handoff channel and one consuming channel per queue of ``engine``; start its intake."""
+        self._engine = engine
+        connection = self.connection
+        self._transport = getattr(connection, "transport", None)
+        if isinstance(connection, aio_pika.abc.AbstractRobustConnection):
+            connection.reconnect_callbacks.add(lambda *_: self._count_transport())
+        self.handoff_channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        engine.open()
+        for name, qs in engine.queues.items():
+            consumer = self.consumers[name] = QueueConsumer(qs)
+            channel = await connection.channel(publisher_confirms=False)
+            await channel.set_qos(prefetch_count=qs.options.effective_prefetch)
+            consumer.channel = channel
+            consumer.queue = await channel.declare_queue(qs.options.name, passive=True)
+            await self._consume(consumer)
+            if isinstance(channel, aio_pika.abc.AbstractRobustChannel):
+                channel.reopen_callbacks.add(functools.partial(self._on_channel_reopened, consumer))
+
+    async def handoff(self, message: InboundMessage, routing_key: str, headers: Mapping[str, Any]) -> None:
+        """The AMQP handoff: a copy through the default exchange on the confirming handoff channel."""
+        assert isinstance(message, AmqpMessage)
+        channel = self.handoff_channel
+        if channel is None or channel.is_closed:
+            raise PublishError("closed", "the handoff channel is closed")
+        try:
+            underlay = await channel.get_underlay_channel()
+        except Exception as exc:
+            raise PublishError("closed", f"the handoff channel is unavailable ({type(exc).__name__})") from exc
+        await republish(underlay, message, routing_key=routing_key, headers=headers, timeout=self.confirm_timeout)
+
+    async def _consume(self, consumer: QueueConsumer) -> None:
+        """Consume the queue on its channel's current transport, straight through aiormq."""
+        assert consumer.channel is not None
+        options = consumer.state.options
+        underlay = await consumer.channel.get_underlay_channel()
+        unbounded_frame_queue(underlay)
+        # One coalescer per channel object: a reopened channel gets a fresh one, so no ACK
+        # marked on the old channel is ever written on the new (docs/settlement.md, generations).
+        acks = None
+        if options.ack_delay > 0:
+            assert self._engine is not None
+            spawn = functools.partial(self._engine.tasks.spawn, name="lily-acks")
+            acks = AckCoalescer(underlay, options.ack_delay, spawn)
+        consumer.acks = acks
+        consuming = await underlay.basic_consume(options.name, self._callback(consumer.state, acks), no_ack=False)
+        consumer.consumer_tag = consuming.consumer_tag
+        underlay.on_consumer_cancel_callbacks.add(functools.partial(self._on_broker_cancel, consumer))
+
+    def _on_broker_cancel(self, consumer: QueueConsumer, frame: Any) -> None:
+        """The broker ended the consumer (the queue was deleted, for one): say so loudly."""
+        engine = self._engine
+        if getattr(frame, "consumer_tag", None) == consumer.consumer_tag and engine is not None and engine.accepting:
+            log.error(
+                "the broker cancelled consuming from queue %s (deleted?); it receives nothing until the consumer "
+                "is restarted",
+                consumer.state.options.name,
+            )
+
+    async def _on_channel_reopened(self, consumer: QueueConsumer, _channel: object) -> None:
+        """A robust channel came back (reconnect or channel error; QoS and the queue restored): consume again."""
+        # Count a new connection transport before consuming on it: the connection's reconnect
+        # callbacks run only after every channel is restored, and a delivery of the new
+        # generation must not be seen while the snapshot still shows the old one.
+        self._count_transport()
+        if self._engine is None or not self._engine.accepting:
+            return
+        try:
+            await self._consume(consumer)
+        except Exception as exc:
+            log.warning(
+                "consuming %s again after a reconnect failed: %s", consumer.state.options.name, type(exc).__name__
+            )
+
+    def _count_transport(self) -> None:
+        """A new connection transport is a new generation (old deliveries have lost settlement
+        authority); counted once per transport, whichever callback sees it first."""
+        transport = getattr(self.connection, "transport", None)
+        if transport is not None and transport is not self._transport and self._engine is not None:
+            self._transport = transport
+            self._engine.generation += 1
+            log.info("AMQP connection re-established: transport generation %d", self._engine.generation)
+
+    def _callback(
+        self, qs: QueueState, acks: AckCoalescer | None
+    ) -> Callable[[aiormq.abc.DeliveredMessage], Coroutine[Any, Any, None]]:
+        engine = self._engine
+        assert engine is not None
+
+        async def on_message(delivered: aiormq.abc.DeliveredMessage) -> None:
+            qs.counters.received += 1
+            message = AmqpMessage(delivered, acks)
+            if not engine.accepting:
+                # Intake stopped: give it back at once (it was never started).
+                await engine.return_unstarted(message)
+                return
+            engine.receive(qs, message)
+
+        return on_message
+
+    # -- shutdown steps (called by the lifecycle supervisor) ------------------------------
+
+    async def stop(self) -> list[BaseException]:
+        """Cancel the consumers, then stop the engine's admission (buffered deliveries go back)."""
+        errors: list[BaseException] = []
+        engine = self._engine
+        if engine is not None:
+            engine.stop_accepting()
+        for consumer in self.consumers.values():
+            channel = consumer.channel
+            if consumer.consumer_tag is not None and channel is not None and not channel.is_closed:
+                try:
+                    underlay = await channel.get_underlay_channel()
+                    await underlay.basic_cancel(consumer.consumer_tag)
+                except Exception as exc:
+                    errors.append(exc)
+        if engine is not None:
+            await engine.return_buffered()
+        return errors
+
+    def revoke(self) -> None:
+        """Settlement authority is revoked: ACKs marked but not written are not written now."""
+        for consumer in self.consumers.values():
+            if consumer.acks is not None:
+                consumer.acks.drop("settlement authority revoked")
+
+    async def close_channels(self) -> bool:
+        """Write pending ACKs (unless revoked), then close the consuming and handoff channels;
+        True once all of them are closed."""
+        engine = self._engine
+        if engine is None or engine.has_authority:
+            for consumer in self.consumers.values():
+                channel = consumer.channel
+                if consumer.acks is not None and channel is not None and not channel.is_closed:
+                    try:
+                        await consumer.acks.flush()
+                    except Exception as exc:  # the channel failed: its marks failed with it
+                        log.warning(
+                            "writing pending ACKs of %s failed: %s", consumer.state.options.name, type(exc).__name__
+                        )
+        channels = [consumer.channel for consumer in self.consumers.values() if consumer.channel is not None]
+        if self.handoff_channel is not None:
+            channels.append(self.handoff_channel)
+        for channel in channels:
+            if not channel.is_closed:
+                await channel.close()
+        return all(channel.is_closed for channel in channels)
+
+    def channels_open(self) -> bool:
+        """True while every consuming channel and the handoff channel is open."""
+        channels = [consumer.channel for consumer in self.consumers.values()] + [self.handoff_channel]
+        return all(channel is not None and not channel.is_closed for channel in channels)
