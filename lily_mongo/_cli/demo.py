@@ -35,10 +35,9 @@ from .._lifecycle import ManagedConsumer
 from .._mongo import mongo_errors, open_mongo
 from .._redact import redact_url
 from .._supervision import ShutdownReport
+from .options import DEFAULT_AMQP_URL
 
 __all__ = ["DemoResult", "OrderCreated", "OrderLine", "run_demo"]
-
-DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
 
 class OrderLine(pydantic.BaseModel):

@@ -34,13 +34,14 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._backoff import backoff
 from .._errors import ConfigError
 from .._signals import ShutdownSignals
 from .._tasks import TaskSet
 from .._text import bind_reason
+from .errors import CommandError, ExitCode
 from .logs import COMMAND_LOGGER
 
 if TYPE_CHECKING:
@@ -384,3 +385,40 @@ class Supervisor:
 async def supervise(options: WorkerOptions) -> int:
     """Run the workers until a signal (or until giving up on one); the exit status."""
     return await Supervisor(options).run()
+
+
+class WorkerLink:
+    """A ``--workers`` process's line to its supervisor: a socket it inherited (``--worker-fd``).
+
+    The worker reports on it (its probe port, that it runs); the supervisor's end closing
+    means the supervisor is gone, and the worker then shuts down gracefully.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    @classmethod
+    def open(cls, fd: int) -> WorkerLink:
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as exc:
+            raise CommandError(ExitCode.USAGE, f"--worker-fd {fd} is not a socket: {exc}") from exc
+        sock.setblocking(False)
+        return cls(sock)
+
+    def send(self, message: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):  # the supervisor is gone: wait_closed says so
+            self._sock.send(json.dumps(message).encode() + b"\n")
+
+    async def wait_closed(self, signals: ShutdownSignals) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data = await loop.sock_recv(self._sock, 512)
+            except OSError:
+                data = b""
+            if not data:
+                break
+        if not signals.received:
+            say.warning("the worker supervisor is gone: shutting down")
+            signals.receive(signal.SIGTERM)  # as a SIGTERM would
