@@ -1,0 +1,71 @@
+"""What a test consumer records: each delivery's result, each message it would have published."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from .._snapshots import TerminalObservation
+from .._text import truncate_utf8
+from ..envelope import EVENT_ID_HEADER
+
+if TYPE_CHECKING:
+    pass
+
+
+_EXCEPTION_REPR_BYTES = 160  # the exception in a DeliveryResult's repr
+
+
+_SETTLED = frozenset({"acked", "duplicate", "retried", "dead_lettered", "broker_dead_lettered"})
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedMessage:
+    """A message the consumer would have published: a retry or DLQ copy, or an outbox message."""
+
+    kind: Literal["retry", "dlq", "outbox"]
+    exchange: str
+    routing_key: str
+    headers: Mapping[str, Any]
+    body: bytes
+    content_type: str | None
+
+    @property
+    def event_id(self) -> str | None:
+        value = self.headers.get(EVENT_ID_HEADER)
+        return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryResult:
+    """How one in-process delivery ended: its terminal ``outcome``, failure ``code`` and ``exception``."""
+
+    observation: TerminalObservation
+    settlement: str | None  # the settlement written: "ack", "nack_requeue", "reject" or None
+    exception: BaseException | None = None
+    """What the handler (or its middleware, guards or factories) raised on the last attempt, or None."""
+
+    def __repr__(self) -> str:
+        # One short line, so that a failed ``assert result.outcome == "acked"`` shows the cause.
+        shown = "None" if self.exception is None else truncate_utf8(repr(self.exception), _EXCEPTION_REPR_BYTES)
+        code = None if self.code is None else str(self.code)  # a plain string, not an ErrorCode member
+        return f"DeliveryResult(outcome={self.outcome!r}, code={code!r}, exception={shown})"
+
+    @property
+    def outcome(self) -> str:
+        """A :class:`~lily_mongo.settlement.Terminal` value: acked, duplicate, retried, dead_lettered, ..."""
+        return self.observation.outcome
+
+    @property
+    def code(self) -> str | None:
+        return self.observation.code
+
+    @property
+    def reason(self) -> str:
+        return self.observation.reason
+
+    @property
+    def event_id(self) -> uuid.UUID | None:
+        return self.observation.event_id
