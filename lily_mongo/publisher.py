@@ -13,7 +13,7 @@ import functools
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Self, TypedDict, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Self, TypedDict, TypeVar, Unpack
 
 import aio_pika
 import aio_pika.abc
@@ -36,7 +36,10 @@ from .envelope import (
     is_canonical_uuid,
     validate_envelope,
 )
-from .telemetry import Telemetry, resolve_telemetry
+from .telemetry import resolve_telemetry
+
+if TYPE_CHECKING:
+    from .telemetry import Telemetry
 
 __all__ = [
     "BINARY",

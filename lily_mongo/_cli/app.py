@@ -28,7 +28,8 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
     raise SystemExit(2) from exc
 
 from . import dlq, relay, run, tools
-from .errors import EXIT_CODES, ExitCode, Settings, tell
+from .errors import Settings, tell
+from .exit_codes import EXIT_CODES, ExitCode
 from .logs import configure_logging
 from .options import version
 

@@ -12,7 +12,8 @@ import typer
 from rich.table import Table
 
 from ..dlq import DlqListing, list_dead_letters, replay_dead_letters
-from .errors import ExitCode, fail, reported, tell
+from .errors import fail, reported, tell
+from .exit_codes import ExitCode
 from .options import AMQP_HINT, DEFAULT_AMQP_URL, AmqpOption, console
 
 if TYPE_CHECKING:

@@ -9,7 +9,8 @@ import typer
 
 from .._mongo import open_mongo
 from .._outbox import OutboxOptions, Relay
-from .errors import ExitCode, Settings, reported, say
+from .errors import Settings, reported, say
+from .exit_codes import ExitCode
 from .logs import configure_logging
 from .options import DEFAULT_AMQP_URL, DEFAULT_MONGO_URI, AmqpOption, MongoOption
 from .run import print_report, start_probes

@@ -13,7 +13,8 @@ from .._mongo import describe_client
 from .._redact import redact_url
 from .._signals import ShutdownSignals, graceful_notice
 from .._text import bind_reason
-from .errors import ExitCode, Settings, fail, reported, say
+from .errors import Settings, fail, reported, say
+from .exit_codes import ExitCode
 from .logs import configure_logging
 from .options import console
 from .target import consumer_urls, load_consumer

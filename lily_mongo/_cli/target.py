@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from .._lifecycle import Consumer
 from .._plan.plan import routes_of
 from .._text import describe_value
-from .errors import ExitCode, fail
+from .errors import fail
+from .exit_codes import ExitCode
 
 if TYPE_CHECKING:
     pass

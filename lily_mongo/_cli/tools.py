@@ -23,7 +23,8 @@ from .._redact import redact_url
 from .._signals import ShutdownSignals
 from .._text import bind_reason
 from ..asyncapi import asyncapi_document
-from .errors import ExitCode, fail, reported, say, tell
+from .errors import fail, reported, say, tell
+from .exit_codes import ExitCode
 from .options import DEFAULT_AMQP_URL, DEFAULT_MONGO_URI, MONGO_HINT, MongoOption, console, err_console
 from .target import load_consumer
 

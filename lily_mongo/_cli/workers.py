@@ -41,7 +41,7 @@ from .._errors import ConfigError
 from .._signals import ShutdownSignals
 from .._tasks import TaskSet
 from .._text import bind_reason
-from .errors import CommandError, ExitCode
+from .exit_codes import ExitCode
 from .logs import COMMAND_LOGGER
 
 if TYPE_CHECKING:
@@ -57,7 +57,6 @@ KILL_AFTER = 10.0  # seconds from a forced shutdown to killing a worker that has
 STABLE_AFTER = 30.0
 """A worker that ran this many seconds before dying starts a new row of restarts."""
 _RESTART_BASE, _RESTART_CAP = 0.5, 30.0
-_USAGE, _FAILED = 2, 1  # the command's exit statuses (cli.ExitCode), not imported: cli imports this module
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,9 +72,9 @@ class WorkerOptions:
     debug: bool
 
 
-_INTERRUPTED = 130  # a worker stopped while it started (cli.ExitCode.INTERRUPTED)
 # A worker the signal reached before it could handle one (still importing): stopped while starting too.
-_STOPPED_EARLY = frozenset({_INTERRUPTED, -signal.SIGTERM, -signal.SIGINT})
+# A worker stopped while it started (by a signal, or reporting it).
+_STOPPED_EARLY = frozenset({ExitCode.INTERRUPTED, -signal.SIGTERM, -signal.SIGINT})
 
 
 def exit_status(finals: list[int | None]) -> int:
@@ -87,8 +86,8 @@ def exit_status(finals: list[int | None]) -> int:
     if all(code == 0 for code in finals):
         return 0
     if all(code == 0 or code in _STOPPED_EARLY for code in finals):
-        return _INTERRUPTED
-    return _FAILED
+        return ExitCode.INTERRUPTED
+    return ExitCode.FAILED
 
 
 def restart_delay(failures: int, *, jitter: float) -> float | None:
@@ -238,9 +237,9 @@ class Supervisor:
             if time.monotonic() - worker.started >= STABLE_AFTER:
                 failures = 0
             failures += 1
-            if code == _USAGE and not self.options.reload:  # with --reload, a fix is awaited (below)
+            if code == ExitCode.USAGE and not self.options.reload:  # with --reload, a fix is awaited (below)
                 say.error("worker %d (pid %d) exited with status 2 (bad usage): not restarted", index, pid)
-                self._give_up(_USAGE)
+                self._give_up(ExitCode.USAGE)
                 return
             if self.options.reload:
                 say.warning(
@@ -254,7 +253,7 @@ class Supervisor:
                 say.error(
                     "worker %d (pid %d) exited with status %s, %d times in a row: giving up", index, pid, code, failures
                 )
-                self._give_up(_FAILED)
+                self._give_up(ExitCode.FAILED)
                 return
             say.warning(
                 "worker %d (pid %d) exited with status %s; restarting it in %.1f s (restart %d of at most %d in a row)",
@@ -402,7 +401,7 @@ class WorkerLink:
         try:
             sock = socket.socket(fileno=fd)
         except OSError as exc:
-            raise CommandError(ExitCode.USAGE, f"--worker-fd {fd} is not a socket: {exc}") from exc
+            raise ConfigError(f"--worker-fd {fd} is not a socket: {exc}") from exc
         sock.setblocking(False)
         return cls(sock)
 

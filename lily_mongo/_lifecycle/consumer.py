@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
 from pymongo import AsyncMongoClient
 
@@ -22,8 +22,11 @@ from .._supervision import Lifecycle, ShutdownReport, State
 from .._tasks import uncancellable as _uncancellable
 from .._text import describe_value
 from .._topology import destination_options
-from ..telemetry import Telemetry, resolve_telemetry
+from ..telemetry import resolve_telemetry
 from .managed import ManagedConsumer
+
+if TYPE_CHECKING:
+    from ..telemetry import Telemetry
 
 log = logging.getLogger("lily_mongo")
 

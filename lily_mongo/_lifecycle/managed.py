@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import aio_pika.abc
 
@@ -23,8 +24,10 @@ from .._snapshots import Snapshot, TerminalObservation
 from .._supervision import Lifecycle, ShutdownReport, State
 from .._tasks import TaskSet, raise_if_cancel_requested
 from .._topology import declare_topology, prepare_destinations
-from ..telemetry import Telemetry
 from .shutdown import ShutdownSequence
+
+if TYPE_CHECKING:
+    from ..telemetry import Telemetry
 
 log = logging.getLogger("lily_mongo")
 

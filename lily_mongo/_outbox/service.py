@@ -31,12 +31,14 @@ from .._supervision import ShutdownAction, ShutdownReport, State
 from .._tasks import TaskSet
 from .._tasks import uncancellable as _uncancellable
 from .._text import describe_value
-from ..telemetry import Telemetry, resolve_telemetry
+from ..telemetry import resolve_telemetry
 from .options import OutboxOptions, standalone_options
 from .process import ProcessOutbox
 
 if TYPE_CHECKING:
     import aio_pika.abc
+
+    from ..telemetry import Telemetry
 
 __all__ = ["Relay"]
 

@@ -20,7 +20,7 @@ from .._observer import NO_OBSERVER, Observer
 from .._tasks import TaskSet
 from .._text import describe_value
 from ..publisher import CustomPublishContent, OpenClose, PublishOptions, ResourceState, TypedPublishing
-from ..telemetry import Telemetry, resolve_telemetry
+from ..telemetry import resolve_telemetry
 from .options import TRANSACTION_BACKOFF_BASE, TRANSACTION_BACKOFF_MAX, OutboxOptions, standalone_options
 from .process import ProcessOutbox
 from .writer import OutboxWriter
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     import aio_pika.abc
     from pymongo.asynchronous.client_session import AsyncClientSession
     from pymongo.asynchronous.database import AsyncDatabase
+
+    from ..telemetry import Telemetry
 T = TypeVar("T")
 
 # -- the standalone outbox ----------------------------------------------------------------------------

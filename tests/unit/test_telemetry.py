@@ -12,7 +12,7 @@ import pytest
 from lily_mongo import ConfigError
 from lily_mongo import telemetry as telemetry_module
 from lily_mongo._cli.logs import JsonFormatter, configure_logging
-from lily_mongo.telemetry import Telemetry, resolve_telemetry
+from lily_mongo.telemetry import resolve_telemetry
 
 # -- log lines -------------------------------------------------------------------------------------------
 
@@ -37,6 +37,20 @@ def test_configure_logging_checks_its_arguments() -> None:
 
 def test_without_the_api_telemetry_is_off_by_default_and_cannot_be_built(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(telemetry_module, "AVAILABLE", False)
+    monkeypatch.delitem(vars(telemetry_module), "Telemetry", raising=False)  # as if never imported
     assert resolve_telemetry(True) is None
     with pytest.raises(ConfigError, match="opentelemetry-api"):
-        Telemetry()
+        telemetry_module.Telemetry  # noqa: B018 - the name needs the API
+
+
+def test_a_consumer_without_telemetry_imports_nothing_of_the_api() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, lily_mongo\n"
+        "lily_mongo.Consumer(amqp_url='amqp://unused/', name='t', telemetry=False)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
