@@ -30,9 +30,10 @@ from .._observer import Observer
 from .._outbox import ProcessOutbox
 from .._plan.extractors import NOT_DECODED
 from .._verdicts import Execution, Outcome, PipelineResult
-from . import protocol as records
+from . import first_claim, protocol
+from .first_claim import FirstClaim
 from .lease import Lease, LeaseDeadline, in_time, now, share
-from .protocol import FirstClaim, Reconciled
+from .protocol import Reconciled
 from .scope import MongoScope
 from .store import RecordStore
 
@@ -116,7 +117,7 @@ class Attempts:
 
         async def stop(replay: Replay, replays: int) -> PipelineResult | None:
             execution.transient_replays = replays
-            if records.outlived(now() - lease.started, self._store.lifetime) and not await self._may_try_again(lease):
+            if protocol.outlived(now() - lease.started, self._store.lifetime) and not await self._may_try_again(lease):
                 return PipelineResult(
                     Outcome.PERMANENT,
                     ErrorCode.TRANSACTION_EXPIRED,
@@ -145,8 +146,8 @@ class Attempts:
         """An attempt's transaction outlived the lifetime: count it in the record (it holds across
         deliveries) and in this delivery; the first expiry gets one more try, the second none."""
         lease.expirations += 1
-        counted = await self._store.count(lease, records.EXPIRATIONS, bound=in_time(lease))
-        return records.may_try_again_after_expiry(max(lease.expirations, counted or 0))
+        counted = await self._store.count(lease, protocol.EXPIRATIONS, bound=in_time(lease))
+        return protocol.may_try_again_after_expiry(max(lease.expirations, counted or 0))
 
     async def _attempt(
         self, route: HandlerRoute, lease: Lease, execution: Execution, payload: Any, invoke: Invoke
@@ -178,8 +179,8 @@ class Attempts:
                 try:
                     with pymongo.timeout(bound):
                         done = await store.records.update_one(
-                            records.fence(lease.key, lease.owner, lease.token),
-                            records.completion_update(retention_seconds=store.options.retention_seconds),
+                            protocol.fence(lease.key, lease.owner, lease.token),
+                            protocol.completion_update(retention_seconds=store.options.retention_seconds),
                             session=session,
                         )
                 except PyMongoError as exc:
@@ -221,7 +222,7 @@ class Attempts:
     async def _first_claim(self, session: AsyncClientSession, route: HandlerRoute, lease: Lease) -> FirstClaim:
         """A first-time copy's claim: the transaction's first write inserts the record completed, or finds it."""
         store = self._store
-        update = records.first_claim_update(
+        update = first_claim.first_claim_update(
             route.handler_id,
             lease.event_id,
             lease.owner,
@@ -240,12 +241,12 @@ class Attempts:
             if timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
                 await self._abort(session)
                 raise Deferral(store.claim_failed(exc, bound)) from exc
-            if records.first_claim_falls_back(error_labels(exc)):
+            if first_claim.first_claim_falls_back(error_labels(exc)):
                 await self._abort(session)
                 return FirstClaim.CONTENDED
             await self._abort(session)
             raise self._failed(exc, "the claim in the transaction") from exc
-        return records.read_first_claim(before)
+        return first_claim.read_first_claim(before)
 
     @staticmethod
     def _failed(exc: PyMongoError, where: str) -> Exception:
@@ -276,7 +277,7 @@ class Attempts:
             record = await transaction.read_back(self._store.read_backs, lease.key, share(lease, 1))
         except PyMongoError:
             record = None  # unread: not known to be completed, so the next delivery decides
-        verdict = records.reconcile(record, lease.owner, lease.token)
+        verdict = protocol.reconcile(record, lease.owner, lease.token)
         if verdict is Reconciled.COMMITTED:
             return _SUCCESS
         if verdict is Reconciled.DUPLICATE:

@@ -8,7 +8,7 @@ import asyncio
 import pymongo
 
 from .._tasks import TaskSet
-from . import protocol as records
+from . import protocol
 from .lease import Lease, now
 from .store import RecordStore
 
@@ -40,7 +40,9 @@ class LeaseHeartbeat:
             due = [
                 lease
                 for lease in self.leases
-                if not lease.lost and moment - lease.renewed_at >= interval and records.may_renew(holding=lease.holding)
+                if not lease.lost
+                and moment - lease.renewed_at >= interval
+                and protocol.may_renew(holding=lease.holding)
             ]
             if due:
                 await asyncio.gather(*(self._renew(lease) for lease in due))
@@ -48,10 +50,10 @@ class LeaseHeartbeat:
     async def _renew(self, lease: Lease) -> None:
         with pymongo.timeout(min(lease.wait, self._seconds)):
             matched = await self._store.renew(lease)
-        verdict = records.heartbeat_verdict(
+        verdict = protocol.heartbeat_verdict(
             matched=matched, unrenewed_for=now() - lease.renewed_at, lease_seconds=self._store.options.lease_seconds
         )
-        if verdict is records.Heartbeat.RENEWED:
+        if verdict is protocol.Heartbeat.RENEWED:
             lease.renewed_at = now()
-        elif verdict is records.Heartbeat.LOST:
+        elif verdict is protocol.Heartbeat.LOST:
             lease.lost = True

@@ -44,7 +44,7 @@ from .._outbox import ProcessOutbox
 from .._tasks import TaskSet
 from .._verdicts import Execution, Outcome, PipelineResult
 from ..bounds import DELIVERY_COUNT_HEADER
-from . import protocol
+from . import first_claim, protocol
 from .attempts import Attempts, Invoke
 from .heartbeat import LeaseHeartbeat
 from .lease import Lease, in_time, now, retrieved
@@ -130,7 +130,7 @@ class Inbox:
         until = None if deadline is None else now() + deadline
         execution = Execution(PipelineResult(Outcome.DEFERRED, ErrorCode.REPLAY_BUDGET_SPENT, ""))
         expirations = 0
-        if self._options.claim_in_transaction and protocol.claims_in_transaction(
+        if self._options.claim_in_transaction and first_claim.claims_in_transaction(
             redelivered=delivery.redelivered, delivery_count=delivery.headers.get(DELIVERY_COUNT_HEADER)
         ):
             # A first-time copy: the claim is the transaction's first write (2 + k commands).

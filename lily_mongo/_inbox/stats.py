@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import protocol as records
+from . import protocol
 from .options import InboxOptions
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ async def inbox_stats(
     by_state = {"$group": {"_id": {"h": "$handler", "s": "$state", "live": live}, "n": {"$sum": 1}}}
     async for doc in await database[options.records].aggregate([by_state]):
         key = doc["_id"]
-        if key.get("s") == records.COMPLETED:
+        if key.get("s") == protocol.COMPLETED:
             column = "completed"
         else:
             column = "live_leases" if key.get("live") else "stale_leases"

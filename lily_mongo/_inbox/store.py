@@ -32,7 +32,7 @@ from .._mongo import (
 )
 from .._mongo.transactions import majority_reads
 from .._verdicts import Outcome, PipelineResult
-from . import protocol as records
+from . import protocol
 from .lease import Lease, in_time
 from .options import InboxOptions
 
@@ -138,9 +138,9 @@ class RecordStore:
 
     # -- the lease, outside transactions --------------------------------------------------------------
 
-    async def claim(self, key: str, handler_id: str, event_id: str, owner: str, wait: float) -> records.Claim:
+    async def claim(self, key: str, handler_id: str, event_id: str, owner: str, wait: float) -> protocol.Claim:
         """The lease claim: one atomic upsert on the server clock, read as the protocol reads it."""
-        pipeline = records.claim_pipeline(
+        pipeline = protocol.claim_pipeline(
             handler_id,
             event_id,
             owner,
@@ -156,7 +156,7 @@ class RecordStore:
                 except DuplicateKeyError:
                     continue  # two concurrent upserts of a new key: the loser retries as an update
                 assert record is not None
-                return records.read_claim(record, owner)
+                return protocol.read_claim(record, owner)
         raise DuplicateKeyError("the inbox claim kept colliding on upsert")  # pragma: no cover - the caller defers
 
     @staticmethod
@@ -176,8 +176,8 @@ class RecordStore:
         options = self.options
         try:
             result = await self._outside.update_one(
-                records.fence(lease.key, lease.owner, lease.token),
-                records.renewal_update(lease_seconds=options.lease_seconds, stale_seconds=options.stale_lease_seconds),
+                protocol.fence(lease.key, lease.owner, lease.token),
+                protocol.renewal_update(lease_seconds=options.lease_seconds, stale_seconds=options.stale_lease_seconds),
             )
         except PyMongoError:
             return None
@@ -190,7 +190,7 @@ class RecordStore:
         deferrals or expired transactions, which a plain release keeps. A cancelled attempt
         whose transaction had outlived the lifetime is counted as such first.
         """
-        fence = records.fence(lease.key, lease.owner, lease.token)
+        fence = protocol.fence(lease.key, lease.owner, lease.token)
         if outcome is None:
             await self.count_if_outlived(lease)
         # A verdict is settled before the delivery's deadline: its release must end in time
@@ -199,24 +199,24 @@ class RecordStore:
         with pymongo.timeout(bound):
             if outcome is None:
                 deleted = await self._outside.delete_one(
-                    records.cancelled_release_filter(lease.key, lease.owner, lease.token)
+                    protocol.cancelled_release_filter(lease.key, lease.owner, lease.token)
                 )
                 if deleted.deleted_count == 0:
-                    await self._outside.update_one(fence, records.released_update())
+                    await self._outside.update_one(fence, protocol.released_update())
                 return None
             if outcome is not Outcome.DEFERRED:
                 await self._outside.delete_one(fence)
                 return None
             record = await self._outside.find_one_and_update(
-                fence, records.deferral_release_update(), return_document=ReturnDocument.AFTER
+                fence, protocol.deferral_release_update(), return_document=ReturnDocument.AFTER
             )
         if record is None:  # lost (or committed) meanwhile: count this deferral on whatever is there
-            return await self.count(lease, records.DEFERRALS, bound=in_time(lease))
-        return records.read_count(record, records.DEFERRALS)
+            return await self.count(lease, protocol.DEFERRALS, bound=in_time(lease))
+        return protocol.read_count(record, protocol.DEFERRALS)
 
     async def count(self, lease: Lease, counter: str, *, bound: float | None = None) -> int | None:
         """Count one more ``counter`` in the event's record (created if absent); None when that fails."""
-        update = records.count_update(
+        update = protocol.count_update(
             counter, lease.handler_id, lease.event_id, stale_seconds=self.options.stale_lease_seconds
         )
         try:
@@ -232,7 +232,7 @@ class RecordStore:
                         )
                     except DuplicateKeyError:
                         continue  # two concurrent upserts of a new key: the loser retries as an update
-                    return records.read_count(record, counter)
+                    return protocol.read_count(record, counter)
         except PyMongoError:
             log.debug("counting %s in the inbox record failed", counter, exc_info=True)
         return None
@@ -241,5 +241,5 @@ class RecordStore:
         """An attempt cancelled from outside while its transaction was older than the lifetime
         (the server has aborted it, or will): it counts as one that outlived it."""
         age = lease.cancelled_age
-        if age is not None and records.outlived(age, self.lifetime):
-            await asyncio.shield(self.count(lease, records.EXPIRATIONS))
+        if age is not None and protocol.outlived(age, self.lifetime):
+            await asyncio.shield(self.count(lease, protocol.EXPIRATIONS))

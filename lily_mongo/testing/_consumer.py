@@ -13,7 +13,7 @@ from .._checks import check_bool
 from .._engine.message import InboundMessage
 from .._engine.wiring import Wiring, enter_lifespan, wire
 from .._errors import ConfigError, LilyError, QueueHandlerError
-from .._inbox import protocol as records
+from .._inbox import protocol
 from .._lifecycle import Consumer
 from .._snapshots import TerminalObservation
 from .._tasks import TaskSet
@@ -203,14 +203,14 @@ class TestConsumer:
     async def hold_lease(self, handler_id: str, event_id: uuid.UUID, *, seconds: float = 3600) -> None:
         """Make another, live owner hold the lease of (handler, event) for ``seconds``: copies are deferred."""
         now = datetime.datetime.now(datetime.UTC)
-        key = records.record_key(handler_id, event_id)
+        key = protocol.record_key(handler_id, event_id)
         await self.database[self._settings.inbox.records].replace_one(
             {"_id": key},
             {
                 "_id": key,
                 "handler": handler_id,
                 "event_id": str(event_id),
-                "state": records.LEASED,
+                "state": protocol.LEASED,
                 "owner": "elsewhere:test:0",
                 "token": 1,
                 "expires_at": now + datetime.timedelta(seconds=seconds),

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient, ReturnDocument
 
+from lily_mongo._inbox import first_claim
 from lily_mongo._inbox import protocol as records
 
 LEASE, STALE, RETENTION = 30.0, 3600.0, 7200.0
@@ -155,25 +156,25 @@ async def test_the_claim_in_a_transaction_is_its_transition(
         await session.start_transaction()
         found = await collection.find_one_and_update(
             {"_id": "h|e"},
-            records.first_claim_update("h", "e", "me:1", now=now, retention_seconds=RETENTION),
+            first_claim.first_claim_update("h", "e", "me:1", now=now, retention_seconds=RETENTION),
             upsert=True,
             session=session,
         )
         await session.commit_transaction()
     assert found == before  # the record as it was: what read_first_claim reads
     after = await collection.find_one({"_id": "h|e"})
-    written = records.first_claim_transition(
+    written = first_claim.first_claim_transition(
         before, key="h|e", handler_id="h", event_id="e", owner="me:1", now=now, retention_seconds=RETENTION
     )
     assert after == (written if before is None else before)  # an existing record is never changed
     assert (
-        records.read_first_claim(found)
+        first_claim.read_first_claim(found)
         is {
-            "absent": records.FirstClaim.CLAIMED,
-            "held-by-a-live-owner": records.FirstClaim.CONTENDED,
-            "lease-expired": records.FirstClaim.CONTENDED,
-            "released-after-a-deferral": records.FirstClaim.CONTENDED,
-            "completed": records.FirstClaim.DUPLICATE,
+            "absent": first_claim.FirstClaim.CLAIMED,
+            "held-by-a-live-owner": first_claim.FirstClaim.CONTENDED,
+            "lease-expired": first_claim.FirstClaim.CONTENDED,
+            "released-after-a-deferral": first_claim.FirstClaim.CONTENDED,
+            "completed": first_claim.FirstClaim.DUPLICATE,
         }[case]
     )
     if before is None:
@@ -205,7 +206,7 @@ async def test_counting_is_its_transition(collection: Any, case: str, counter: s
     assert records.read_count(after, counter) == records.read_count(before, counter) + 1
     if before is None:  # a counting record: the next claim takes it as a free lease, the count kept
         assert records.read_claim(claimed(after, "me:1", now), "me:1").kind is records.ClaimKind.LEASED
-        assert records.read_first_claim(after) is records.FirstClaim.CONTENDED
+        assert first_claim.read_first_claim(after) is first_claim.FirstClaim.CONTENDED
 
 
 @pytest.mark.parametrize("counts", [{}, {"deferrals": 0}, {"deferrals": 2}, {"deferrals": 0, "expirations": 1}])

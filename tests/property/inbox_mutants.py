@@ -4,8 +4,8 @@ The model (``tests/property/test_inbox_model.py``) runs the shipped ``Inbox``, s
 either an edit of the source of a module of ``lily_mongo/_inbox/`` (or of the transaction
 skeleton, ``lily_mongo/_mongo/transactions.py``), loaded as a copy of the package that the
 machine runs instead (:attr:`InboxModel.INBOX`), or a replacement of one function of the
-record protocol (:mod:`lily_mongo._inbox.protocol`) or of the transaction rules
-(:mod:`lily_mongo._mongo.rules`), which the inbox and the simulated server call through
+record protocol (:mod:`lily_mongo._inbox.protocol`, :mod:`lily_mongo._inbox.first_claim`) or of the
+transaction rules (:mod:`lily_mongo._mongo.rules`), which the inbox and the simulated server call through
 their modules. Two ways to run them:
 
 * ``LILY_MUTANTS=1 uv_run pytest --noconftest tests/property/test_inbox_model.py -k mutant``
@@ -39,31 +39,37 @@ from typing import Any
 from unittest import mock
 
 import lily_mongo._inbox as shipped_inbox
-import lily_mongo._inbox.protocol as records
+import lily_mongo._inbox.first_claim as first_claim
+import lily_mongo._inbox.protocol as protocol
 import lily_mongo._mongo.rules as rules
-from lily_mongo._inbox.protocol import COMPLETED, LEASED, Claim, ClaimKind, FirstClaim, Heartbeat, Reconciled
+from lily_mongo._inbox.first_claim import FirstClaim
+from lily_mongo._inbox.protocol import COMPLETED, LEASED, Claim, ClaimKind, Heartbeat, Reconciled
 from lily_mongo._mongo.rules import ErrorStep
 
 Record = Any
 PACKAGE = Path(shipped_inbox.__file__).parent.parent  # lily_mongo/
-TARGETS = {"protocol": records, "rules": rules}  # the modules whose functions a mutant may replace
+TARGETS = {
+    "protocol": protocol,
+    "first_claim": first_claim,
+    "rules": rules,
+}  # the modules whose functions a mutant may replace
 
 # The originals, captured before any patching (a mutant delegates to them).
-read_claim = records.read_claim
-claim_transition = records.claim_transition
-completion_transition = records.completion_transition
-renewal_transition = records.renewal_transition
-release_transition = records.release_transition
-count_transition = records.count_transition
+read_claim = protocol.read_claim
+claim_transition = protocol.claim_transition
+completion_transition = protocol.completion_transition
+renewal_transition = protocol.renewal_transition
+release_transition = protocol.release_transition
+count_transition = protocol.count_transition
 classify_error = rules.classify_error
 next_after_replay = rules.next_after_replay
-reconcile = records.reconcile
-may_renew = records.may_renew
-heartbeat_verdict = records.heartbeat_verdict
-read_first_claim = records.read_first_claim
-first_claim_falls_back = records.first_claim_falls_back
-first_claim_transition = records.first_claim_transition
-may_try_again_after_expiry = records.may_try_again_after_expiry
+reconcile = protocol.reconcile
+may_renew = protocol.may_renew
+heartbeat_verdict = protocol.heartbeat_verdict
+read_first_claim = first_claim.read_first_claim
+first_claim_falls_back = first_claim.first_claim_falls_back
+first_claim_transition = first_claim.first_claim_transition
+may_try_again_after_expiry = protocol.may_try_again_after_expiry
 
 Edit = tuple[str, str, str]  # (a file under lily_mongo/, e.g. "_inbox/store.py"; its text; the text instead)
 
@@ -73,7 +79,7 @@ class Mutant:
     name: str
     caught_by: tuple[str, ...]  # the invariants that may report it (none: equivalent)
     why: str = ""  # for an equivalent mutant: why no run of the model can tell
-    target: str = ""  # "protocol.<function>" or "rules.<function>": the function it replaces
+    target: str = ""  # "<module>.<function>", a module of TARGETS: the function it replaces
     function: Callable[..., Any] | None = None
     edits: tuple[Edit, ...] = ()  # edits of the inbox's (or the skeleton's) sources
     wire: bool = True  # run with the wire checks on
@@ -180,8 +186,8 @@ COMPLETION = """            else:
                 try:
                     with pymongo.timeout(bound):
                         done = await store.records.update_one(
-                            records.fence(lease.key, lease.owner, lease.token),
-                            records.completion_update(retention_seconds=store.options.retention_seconds),
+                            protocol.fence(lease.key, lease.owner, lease.token),
+                            protocol.completion_update(retention_seconds=store.options.retention_seconds),
                             session=session,
                         )
                 except PyMongoError as exc:
@@ -226,7 +232,7 @@ CLAIM_BOUND = """        with pymongo.timeout(wait):
                 except DuplicateKeyError:
                     continue  # two concurrent upserts of a new key: the loser retries as an update
                 assert record is not None
-                return records.read_claim(record, owner)
+                return protocol.read_claim(record, owner)
 """
 UNBOUNDED_CLAIM = (
     (STORE, CLAIM_BOUND, CLAIM_BOUND.replace("        with pymongo.timeout(wait):\n", "        if True:\n")),
@@ -277,7 +283,7 @@ NO_CLAIM_TIME_EXPIRY_CHECK = (
 CANCELLED_RELEASE_DELETES = (
     (
         STORE,
-        "records.cancelled_release_filter(lease.key, lease.owner, lease.token)",
+        "protocol.cancelled_release_filter(lease.key, lease.owner, lease.token)",
         "fence",
     ),
 )
@@ -291,7 +297,7 @@ NO_CANCEL_CHECK = (
 EXPIRY_NOT_IN_THE_RECORD = (
     (
         ATTEMPTS,
-        "        counted = await self._store.count(lease, records.EXPIRATIONS, bound=in_time(lease))\n",
+        "        counted = await self._store.count(lease, protocol.EXPIRATIONS, bound=in_time(lease))\n",
         "        counted = None\n",
     ),
 )
@@ -605,7 +611,7 @@ MUTANTS: list[Mutant] = [
     mutant("lifetime-two-more-tries", "protocol.may_try_again_after_expiry", two_more_tries, "lifetime"),
     mutant(
         "first-claim-contended-as-claimed",
-        "protocol.read_first_claim",
+        "first_claim.read_first_claim",
         contended_as_claimed,
         "at-most-once",
         "ack-proof",
@@ -613,16 +619,16 @@ MUTANTS: list[Mutant] = [
     ),
     mutant(
         "first-claim-duplicate-as-claimed",
-        "protocol.read_first_claim",
+        "first_claim.read_first_claim",
         duplicate_as_claimed,
         "at-most-once",
         "ack-proof",
     ),
-    mutant("first-claim-contended-as-duplicate", "protocol.read_first_claim", contended_as_duplicate, "ack-proof"),
-    mutant("first-claim-overwrites", "protocol.first_claim_transition", first_claim_overwrites, "exclusive-lease"),
+    mutant("first-claim-contended-as-duplicate", "first_claim.read_first_claim", contended_as_duplicate, "ack-proof"),
+    mutant("first-claim-overwrites", "first_claim.first_claim_transition", first_claim_overwrites, "exclusive-lease"),
     mutant(
         "first-claim-writes-a-lease",
-        "protocol.first_claim_transition",
+        "first_claim.first_claim_transition",
         first_claim_writes_a_lease,
         "claim-reading",
         "at-most-once",
@@ -631,16 +637,16 @@ MUTANTS: list[Mutant] = [
     ),
     mutant(
         "first-claim-falls-back-on-any-error",
-        "protocol.first_claim_falls_back",
+        "first_claim.first_claim_falls_back",
         constantly(True),
         why="an unlabelled error of the claim in the transaction then takes the lease claim instead of deferring: "
         "the claim meets the same server and defers if it fails too (a command more, not a guarantee)",
     ),
     # A transient error of the claim in the transaction is a contention, no replay (docs/inbox.md):
     # counted as one, it spends the replay budget of a delivery whose handler never failed.
-    mutant("first-claim-never-falls-back", "protocol.first_claim_falls_back", constantly(False), "replay"),
-    mutant("first-claim-for-every-copy", "protocol.claims_in_transaction", constantly(True), why=COST_ONLY),
-    mutant("first-claim-never", "protocol.claims_in_transaction", constantly(False), why=COST_ONLY),
+    mutant("first-claim-never-falls-back", "first_claim.first_claim_falls_back", constantly(False), "replay"),
+    mutant("first-claim-for-every-copy", "first_claim.claims_in_transaction", constantly(True), why=COST_ONLY),
+    mutant("first-claim-never", "first_claim.claims_in_transaction", constantly(False), why=COST_ONLY),
 ]
 
 

@@ -68,6 +68,7 @@ from pymongo.errors import (
 from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
+import lily_mongo._inbox.first_claim as first_claim
 import lily_mongo._inbox.protocol as records
 from lily_mongo._inbox.protocol import COMPLETED, LEASED
 from lily_mongo._mongo.rules import TRANSIENT_LABEL, UNKNOWN_COMMIT_LABEL
@@ -207,7 +208,7 @@ def evaluate(update: Any, record: Doc | None, flt: Doc, key: str, now: datetime.
     name = update_name(update)
     if name == "first-claim":
         fields = update["$setOnInsert"]
-        return records.first_claim_transition(
+        return first_claim.first_claim_transition(
             record,
             key=key,
             handler_id=fields["handler"],

@@ -21,23 +21,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lily_mongo._clock import clock_offset
-from lily_mongo._inbox.protocol import (
-    Claim,
-    ClaimKind,
+from lily_mongo._inbox.first_claim import (
     FirstClaim,
-    Heartbeat,
-    Reconciled,
-    claim_transition,
     claims_in_transaction,
-    completion_transition,
-    fence,
     first_claim_falls_back,
     first_claim_transition,
     first_claim_update,
+    read_first_claim,
+)
+from lily_mongo._inbox.protocol import (
+    Claim,
+    ClaimKind,
+    Heartbeat,
+    Reconciled,
+    claim_transition,
+    completion_transition,
+    fence,
     heartbeat_verdict,
     may_renew,
     read_claim,
-    read_first_claim,
     reconcile,
     release_transition,
     renewal_transition,
