@@ -20,20 +20,10 @@ from ._errors import (
 from ._inbox import InboxOptions, MongoScope
 from ._lifecycle import Consumer, ManagedConsumer
 from ._outbox import Outbox, OutboxOptions, OutboxTransaction, Relay
-from ._plan.extractors import (
-    Bytes,
-    Depends,
-    EventId,
-    Extractor,
-    Json,
-    MongoDatabase,
-    RawDelivery,
-    Redelivered,
-    Resource,
-    RetryCount,
-    Text,
-)
-from ._plan.plan import DeliveryContext, QueueOptions, RetryPolicy, queue
+from ._plan.extractors import Bytes, EventId, Extractor, Json, MongoDatabase, RawDelivery, Redelivered, RetryCount, Text
+from ._plan.options import QueueOptions, RetryPolicy
+from ._plan.parameters import Depends, Resource
+from ._plan.routes import DeliveryContext, queue
 from ._snapshots import QueueSnapshot, Snapshot, TerminalObservation
 from ._supervision import ShutdownAction, ShutdownReport
 from .publisher import CustomPublishContent, Publisher

@@ -17,8 +17,8 @@ import aio_pika.abc
 
 from ._amqp import channel_errors
 from ._errors import ConfigError
+from ._plan.options import QueueOptions, RetryPolicy
 from ._plan.outgoing import OutgoingMessage
-from ._plan.plan import QueueOptions, RetryPolicy
 from ._tasks import raise_if_cancel_requested
 
 __all__ = ["declare_topology", "destination_options", "prepare_destinations", "topology_names"]

@@ -17,29 +17,25 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-from ._plan.extractors import Bytes, Extractor, Json, Text
-from ._plan.outgoing import OutgoingMessage
-from ._plan.plan import Plan
-from .bounds import (
-    BOUNDS,
+from ._headers import (
+    CONTENT_KIND_HEADER,
     DEATH_HEADER,
+    EVENT_ID_HEADER,
     FAILED_AT_HEADER,
     FAILED_QUEUE_HEADER,
     FAILURE_CODE_HEADER,
     FAILURE_REASON_HEADER,
-)
-from .content import BUILTIN_CONTENT
-from .envelope import (
-    CONTENT_KIND_HEADER,
-    CONTENT_KIND_PATTERN,
-    EVENT_ID_HEADER,
-    EVENT_ID_PATTERN,
     RETRY_COUNT_HEADER,
     SCHEMA_VERSION_HEADER,
-    SCHEMA_VERSION_PATTERN,
     TRACEPARENT_HEADER,
     TRACESTATE_HEADER,
 )
+from ._plan.extractors import Bytes, Extractor, Json, Text
+from ._plan.outgoing import OutgoingMessage
+from ._plan.plan import Plan
+from .bounds import BOUNDS
+from .content import BUILTIN_CONTENT
+from .envelope import CONTENT_KIND_PATTERN, EVENT_ID_PATTERN, SCHEMA_VERSION_PATTERN
 
 __all__ = ["asyncapi_document"]
 

@@ -11,16 +11,6 @@ from dataclasses import dataclass
 
 __all__ = [
     "BOUNDS",
-    "BROKER_COUNT_HEADERS",
-    "DEATH_HEADER",
-    "DELIVERY_COUNT_HEADER",
-    "FAILED_AT_HEADER",
-    "FAILED_QUEUE_HEADER",
-    "FAILURE_CODE_HEADER",
-    "FAILURE_HEADER_KEYS",
-    "FAILURE_REASON_HEADER",
-    "HANDOFF_HEADER_KEYS",
-    "RETRY_COUNT_HEADER",
     "Bounds",
     "utf8_len",
 ]
@@ -77,30 +67,6 @@ class Bounds:
 
 
 BOUNDS = Bounds()
-
-# The headers the framework writes on a handoff copy (docs/settlement.md section 7), spelled once:
-# every module that reads or writes them imports these names.
-RETRY_COUNT_HEADER = "x-retry-count"
-FAILURE_CODE_HEADER = "x-lily-failure-code"
-FAILURE_REASON_HEADER = "x-lily-failure-reason"
-FAILED_QUEUE_HEADER = "x-lily-failed-queue"
-FAILED_AT_HEADER = "x-lily-failed-at"
-# The four that say why and where a copy failed (a retry copy and a DLQ copy carry them).
-FAILURE_HEADER_KEYS: tuple[str, ...] = (
-    FAILURE_CODE_HEADER,
-    FAILURE_REASON_HEADER,
-    FAILED_QUEUE_HEADER,
-    FAILED_AT_HEADER,
-)
-# They are replaced, not added, when an incoming copy already carries them (a replayed DLQ message).
-HANDOFF_HEADER_KEYS: frozenset[str] = frozenset({RETRY_COUNT_HEADER, *FAILURE_HEADER_KEYS})
-# The header RabbitMQ adds each time it dead-letters a message: an array of tables, latest first.
-DEATH_HEADER = "x-death"
-# Set by RabbitMQ on quorum-queue redeliveries; bounds deferrals across processes.
-DELIVERY_COUNT_HEADER = "x-delivery-count"
-# The broker's per-message delivery counters (``x-acquired-count``: RabbitMQ 4). A copy made
-# from a message (a retry or DLQ hand-off, a DLQ replay) is a new message: it drops them.
-BROKER_COUNT_HEADERS = (DELIVERY_COUNT_HEADER, "x-acquired-count")
 
 
 def utf8_len(text: str) -> int:

@@ -40,11 +40,10 @@ from yarl import URL
 from ._amqp import AmqpMessage, channel_errors, connect_amqp, publish_properties
 from ._checks import check_int, check_seconds
 from ._errors import ConfigError, TransportError
-from ._plan.plan import QueueOptions
-from ._text import describe_value, sanitize
-from .bounds import (
+from ._headers import (
     BROKER_COUNT_HEADERS,
     DEATH_HEADER,
+    EVENT_ID_HEADER,
     FAILED_AT_HEADER,
     FAILED_QUEUE_HEADER,
     FAILURE_CODE_HEADER,
@@ -52,7 +51,8 @@ from .bounds import (
     FAILURE_REASON_HEADER,
     RETRY_COUNT_HEADER,
 )
-from .envelope import EVENT_ID_HEADER
+from ._plan.options import QueueOptions
+from ._text import describe_value, sanitize
 
 __all__ = [
     "BROKER_DEATH_HEADERS",

@@ -16,18 +16,22 @@ from dataclasses import dataclass
 
 from ._errors import EnvelopeError, ErrorCode
 from ._fast import canonical_uuid, slot_constructor
-from ._text import describe_key, describe_value
-from .bounds import (
-    BOUNDS,
+from ._headers import (
+    CONTENT_KIND_HEADER,
     DELIVERY_COUNT_HEADER,
+    EVENT_ID_HEADER,
     FAILED_AT_HEADER,
     FAILED_QUEUE_HEADER,
     FAILURE_CODE_HEADER,
     FAILURE_REASON_HEADER,
     HANDOFF_HEADER_KEYS,
     RETRY_COUNT_HEADER,
-    utf8_len,
+    SCHEMA_VERSION_HEADER,
+    TRACEPARENT_HEADER,
+    TRACESTATE_HEADER,
 )
+from ._text import describe_key, describe_value
+from .bounds import BOUNDS, utf8_len
 
 __all__ = [
     "CONTENT_KIND_HEADER",
@@ -55,13 +59,6 @@ __all__ = [
     "validate_envelope",
 ]
 
-EVENT_ID_HEADER = "x-lily-event-id"
-SCHEMA_VERSION_HEADER = "x-lily-schema-version"
-CONTENT_KIND_HEADER = "x-lily-content-kind"
-TRACEPARENT_HEADER = "traceparent"
-TRACESTATE_HEADER = "tracestate"
-# The handoff header names (FAILURE_CODE_HEADER, ...) and DELIVERY_COUNT_HEADER are defined
-# in bounds with the room they take; re-exported here with the envelope's own.
 
 # The canonical forms, spelled once (the AsyncAPI document anchors them as JSON Schema
 # patterns). Matched with ``re.fullmatch`` and explicit ASCII classes: ``$`` would accept

@@ -21,21 +21,20 @@ import aio_pika.abc
 from ._amqp import basic_publish, connect_amqp
 from ._checks import check_amqp_url, check_seconds
 from ._errors import ConfigError, EnvelopeError, LilyError
-from ._observer import NO_OBSERVER, Observer
-from ._plan.plan import check_name
-from ._text import describe_value
-from .bounds import BOUNDS
-from .content import BINARY, JSON, TEXT, CustomPublishContent, encode_json
-from .envelope import (
+from ._headers import (
     CONTENT_KIND_HEADER,
     EVENT_ID_HEADER,
     RETRY_COUNT_HEADER,
     SCHEMA_VERSION_HEADER,
     TRACEPARENT_HEADER,
     TRACESTATE_HEADER,
-    is_canonical_uuid,
-    validate_envelope,
 )
+from ._observer import NO_OBSERVER, Observer
+from ._plan.options import check_name
+from ._text import describe_value
+from .bounds import BOUNDS
+from .content import BINARY, JSON, TEXT, CustomPublishContent, encode_json
+from .envelope import is_canonical_uuid, validate_envelope
 from .telemetry import resolve_telemetry
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from pamqp import commands as spec
 from pamqp import common, encode
 
 from .._errors import PublishError
-from ..bounds import RETRY_COUNT_HEADER
+from .._headers import RETRY_COUNT_HEADER
 from .errors import AmqpFailure, map_amqp_errors
 
 if TYPE_CHECKING:

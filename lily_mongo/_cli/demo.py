@@ -28,11 +28,13 @@ import pydantic
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
-from .. import Consumer, EventId, Json, MongoScope, Publisher, QueueHandlerError, RetryCount, RetryPolicy, queue
+from .. import Consumer, EventId, Json, MongoScope, Publisher, QueueHandlerError, RetryCount
 from .._amqp import channel_errors, connect_amqp
 from .._errors import TransportError
 from .._lifecycle import ManagedConsumer
 from .._mongo import mongo_errors, open_mongo
+from .._plan.options import RetryPolicy
+from .._plan.routes import queue
 from .._redact import redact_url
 from .._supervision import ShutdownReport
 from .options import DEFAULT_AMQP_URL

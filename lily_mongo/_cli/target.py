@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .._lifecycle import Consumer
-from .._plan.plan import routes_of
+from .._plan.routes import routes_of
 from .._text import describe_value
 from .errors import fail
 from .exit_codes import ExitCode

@@ -24,8 +24,11 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from .._errors import EnvelopeError, ErrorCode, QueueHandlerError
-from .._plan.extractors import NOT_DECODED, Dependency, Parameter, PayloadDecodeError, RawDelivery, new_raw_delivery
-from .._plan.plan import DeliveryContext, HandlerRoute, Middleware, Plan, QueueOptions
+from .._plan.extractors import NOT_DECODED, PayloadDecodeError, RawDelivery, new_raw_delivery
+from .._plan.options import QueueOptions
+from .._plan.parameters import Dependency, Parameter
+from .._plan.plan import Plan
+from .._plan.routes import DeliveryContext, HandlerRoute, Middleware
 from .._text import truncate_utf8
 from .._verdicts import SUCCESS, Outcome, PipelineResult
 from ..bounds import BOUNDS

@@ -34,14 +34,15 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from .._errors import ErrorCode
+from .._headers import DELIVERY_COUNT_HEADER
 from .._observer import NO_OBSERVER, Observer
-from .._plan.plan import Plan, QueueOptions
+from .._plan.options import QueueOptions
+from .._plan.plan import Plan
 from .._snapshots import ObservationLog, QueueSnapshot
 from .._tasks import TaskSet
 from .._text import truncate_utf8
 from .._verdicts import Execution, Outcome, PipelineResult
 from ..bounds import BOUNDS
-from ..envelope import DELIVERY_COUNT_HEADER
 from .delivery import CUT_OFF, DROPPED, EXECUTING, FINISHED, SETTLING, Delivery, failure_key
 from .dispatch import NO_SERVICES, Prepared, Services, invoke, prepare
 from .effects import DeliveryEffects

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 
 from .._lru import LruCounter
-from .._plan.plan import QueueOptions
+from .._plan.options import QueueOptions
 from .._snapshots import QueueCounters, QueueSnapshot
 from .message import InboundMessage
 

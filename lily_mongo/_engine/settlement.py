@@ -23,17 +23,18 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from .._errors import ErrorCode
-from .._text import sanitize, truncate_utf8
-from .._verdicts import SUCCESS, Outcome, PipelineResult
-from ..bounds import BOUNDS, BROKER_COUNT_HEADERS
-from ..envelope import (
+from .._headers import (
+    BROKER_COUNT_HEADERS,
     FAILED_AT_HEADER,
     FAILED_QUEUE_HEADER,
     FAILURE_CODE_HEADER,
     FAILURE_REASON_HEADER,
     RETRY_COUNT_HEADER,
-    sanitize_headers,
 )
+from .._text import sanitize, truncate_utf8
+from .._verdicts import SUCCESS, Outcome, PipelineResult
+from ..bounds import BOUNDS
+from ..envelope import sanitize_headers
 
 __all__ = [
     "Budget",

@@ -40,7 +40,7 @@ from .store import RecordStore
 if TYPE_CHECKING:
     from pymongo.asynchronous.client_session import AsyncClientSession
 
-    from .._plan.plan import HandlerRoute
+    from .._plan.routes import HandlerRoute
 
 __all__ = ["Attempts", "Deferral", "Invoke"]
 

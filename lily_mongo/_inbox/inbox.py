@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING, Any
 from pymongo.errors import PyMongoError
 
 from .._errors import ErrorCode
+from .._headers import DELIVERY_COUNT_HEADER
 from .._mongo import error_labels
 from .._mongo import rules as transaction_rules
 from .._observer import NO_OBSERVER, Observer
 from .._outbox import ProcessOutbox
 from .._tasks import TaskSet
 from .._verdicts import Execution, Outcome, PipelineResult
-from ..bounds import DELIVERY_COUNT_HEADER
 from . import first_claim, protocol
 from .attempts import Attempts, Invoke
 from .heartbeat import LeaseHeartbeat
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from pymongo import AsyncMongoClient
 
     from .._plan.extractors import RawDelivery
-    from .._plan.plan import HandlerRoute
+    from .._plan.routes import HandlerRoute
 
 __all__ = ["Inbox"]
 

@@ -15,8 +15,10 @@ from .._engine.wiring import ConsumerSettings, Lifespan
 from .._errors import ConfigError
 from .._inbox import InboxOptions, MongoScope
 from .._outbox import OutboxOptions
+from .._plan.options import QueueOptions, RetryPolicy
 from .._plan.outgoing import OutgoingMessage
-from .._plan.plan import Guard, Middleware, Plan, PlanBuilder, QueueOptions, RetryPolicy
+from .._plan.plan import Plan, PlanBuilder
+from .._plan.routes import Guard, Middleware
 from .._redact import redact_url
 from .._supervision import Lifecycle, ShutdownReport, State
 from .._tasks import uncancellable as _uncancellable

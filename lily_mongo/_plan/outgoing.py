@@ -19,7 +19,7 @@ from .._errors import ConfigError
 from .._text import describe_value
 from ..bounds import BOUNDS
 from ..envelope import check_content_kind
-from .plan import check_name
+from .options import check_name
 
 __all__ = ["OutgoingMessage"]
 

@@ -10,8 +10,9 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
 from .._errors import EnvelopeError, ErrorCode
+from .._headers import TRACEPARENT_HEADER, TRACESTATE_HEADER
 from ..bounds import BOUNDS
-from ..envelope import TRACEPARENT_HEADER, TRACESTATE_HEADER, valid_traceparent, validate_envelope
+from ..envelope import valid_traceparent, validate_envelope
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

@@ -12,13 +12,13 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanKind
 
 from .._clock import aware
+from .._headers import TRACEPARENT_HEADER
 from .._metrics import (
     HANDLER_DURATION,
     PROCESS_DURATION,
     RELAY_LAG,
 )
 from .._observer import C, PublishWith, SnapshotSource
-from ..envelope import TRACEPARENT_HEADER
 from ._context import inject, parent_context, with_trace_context
 from ._instruments import SCOPE, SYSTEM, Histogram, instruments_for
 from ._trace import DeliveryTrace, mark_failed, result_attributes

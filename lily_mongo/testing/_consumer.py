@@ -13,11 +13,11 @@ from .._checks import check_bool
 from .._engine.message import InboundMessage
 from .._engine.wiring import Wiring, enter_lifespan, wire
 from .._errors import ConfigError, LilyError, QueueHandlerError
+from .._headers import FAILED_QUEUE_HEADER
 from .._inbox import protocol
 from .._lifecycle import Consumer
 from .._snapshots import TerminalObservation
 from .._tasks import TaskSet
-from ..envelope import FAILED_QUEUE_HEADER
 from ..publisher import BINARY, JSON, TEXT, CustomPublishContent, prepare_publication
 from ._results import DeliveryResult, PublishedMessage
 from ._transport import InProcessMessage

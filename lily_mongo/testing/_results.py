@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from .._headers import EVENT_ID_HEADER
 from .._snapshots import TerminalObservation
 from .._text import truncate_utf8
-from ..envelope import EVENT_ID_HEADER
 
 if TYPE_CHECKING:
     pass

@@ -32,7 +32,9 @@ from lily_mongo import (
 from lily_mongo._engine.dispatch import select_route as dispatch
 from lily_mongo._inbox import MongoScope
 from lily_mongo._plan.extractors import PayloadDecodeError, new_raw_delivery
-from lily_mongo._plan.plan import HandlerRoute, Plan, PlanBuilder, QueueOptions, RetryPolicy, queue
+from lily_mongo._plan.options import QueueOptions, RetryPolicy
+from lily_mongo._plan.plan import Plan, PlanBuilder
+from lily_mongo._plan.routes import HandlerRoute, queue
 from lily_mongo._topology import topology_names
 from lily_mongo.envelope import Envelope
 

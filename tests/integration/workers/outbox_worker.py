@@ -28,7 +28,9 @@ from typing import Any
 
 from pymongo import AsyncMongoClient
 
-from lily_mongo import Consumer, EventId, MongoScope, OutboxOptions, Relay, RetryPolicy, queue
+from lily_mongo import Consumer, EventId, MongoScope, OutboxOptions, Relay
+from lily_mongo._plan.options import RetryPolicy
+from lily_mongo._plan.routes import queue
 
 
 def emit(record: dict[str, Any]) -> None:
