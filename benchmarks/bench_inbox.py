@@ -77,9 +77,18 @@ from pymongo.write_concern import WriteConcern
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lily_mongo import Consumer, EventId, InboxOptions, Json, MongoScope, OutboxOptions, Publisher
-from lily_mongo._plan.options import QueueOptions, RetryPolicy
-from lily_mongo._plan.routes import queue
+from lily_mongo import (
+    Consumer,
+    EventId,
+    InboxOptions,
+    Json,
+    MongoScope,
+    OutboxOptions,
+    Publisher,
+    QueueOptions,
+    RetryPolicy,
+    queue,
+)
 
 SCRIPT = Path(__file__).resolve()
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"

@@ -88,10 +88,18 @@ from bench_inbox import (
     read_line,
 )
 
-from lily_mongo import Consumer, EventId, Json, MongoScope, Publisher, Relay
+from lily_mongo import (
+    Consumer,
+    EventId,
+    Json,
+    MongoScope,
+    Publisher,
+    QueueOptions,
+    Relay,
+    RetryPolicy,
+    queue,
+)
 from lily_mongo._outbox.protocol import new_record
-from lily_mongo._plan.options import QueueOptions, RetryPolicy
-from lily_mongo._plan.routes import queue
 from lily_mongo.publisher import JSON, prepare_publication
 
 SCRIPT = Path(__file__).resolve()

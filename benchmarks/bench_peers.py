@@ -91,9 +91,7 @@ from pamqp.commands import Basic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lily_mongo import Consumer, Json
-from lily_mongo._plan.options import QueueOptions, RetryPolicy
-from lily_mongo._plan.routes import queue
+from lily_mongo import Consumer, Json, QueueOptions, RetryPolicy, queue
 from lily_mongo._topology import declare_topology, topology_names
 from lily_mongo.bounds import BOUNDS
 from lily_mongo.publisher import JSON, prepare_publication

@@ -51,11 +51,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanKind
 
-from lily_mongo import Consumer, Json
+from lily_mongo import Consumer, Json, RetryPolicy, queue
 from lily_mongo._engine.engine import Engine
 from lily_mongo._observer import NO_OBSERVER
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
 from lily_mongo._tasks import TaskSet
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.telemetry import DURATION_BUCKETS, Telemetry

@@ -56,9 +56,7 @@ import pydantic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lily_mongo import Consumer, Json
-from lily_mongo._plan.options import QueueOptions, RetryPolicy
-from lily_mongo._plan.routes import queue
+from lily_mongo import Consumer, Json, QueueOptions, RetryPolicy, queue
 from lily_mongo._topology import declare_topology, topology_names
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.telemetry import Telemetry

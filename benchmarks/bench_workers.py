@@ -46,7 +46,7 @@ import aio_pika
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_throughput import DEFAULT_URL, fill, ready
-from lily_mongo._plan.options import QueueOptions, RetryPolicy
+from lily_mongo import QueueOptions, RetryPolicy
 from lily_mongo._topology import declare_topology, topology_names
 
 TARGET = """

@@ -30,9 +30,18 @@ from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.uri_parser import parse_uri
 from yarl import URL
 
-from lily_mongo import Consumer, Json, ManagedConsumer, Publisher, QueueHandlerError, TerminalObservation
-from lily_mongo._plan.options import QueueOptions, RetryPolicy
-from lily_mongo._plan.routes import Guard, Middleware, queue
+from lily_mongo import (
+    Consumer,
+    Json,
+    ManagedConsumer,
+    Publisher,
+    QueueHandlerError,
+    QueueOptions,
+    RetryPolicy,
+    TerminalObservation,
+    queue,
+)
+from lily_mongo._plan.routes import Guard, Middleware
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 T = TypeVar("T")

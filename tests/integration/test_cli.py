@@ -35,10 +35,19 @@ import yaml
 from typer.testing import CliRunner
 from yarl import URL
 
-from lily_mongo import Consumer, EventId, Json, ManagedConsumer, MongoScope, QueueHandlerError, RawDelivery, RetryCount
+from lily_mongo import (
+    Consumer,
+    EventId,
+    Json,
+    ManagedConsumer,
+    MongoScope,
+    QueueHandlerError,
+    RawDelivery,
+    RetryCount,
+    RetryPolicy,
+    queue,
+)
 from lily_mongo._cli.app import app as cli_app
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
 from lily_mongo.testing import Faults
 from tests.support import (
     Broker,

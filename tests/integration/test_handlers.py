@@ -20,10 +20,17 @@ from typing import Annotated, Any
 import pytest
 from pymongo.errors import PyMongoError
 
-from lily_mongo import Consumer, EventId, Json, MongoDatabase, MongoScope
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.parameters import Depends, Resource
-from lily_mongo._plan.routes import queue
+from lily_mongo import (
+    Consumer,
+    Depends,
+    EventId,
+    Json,
+    MongoDatabase,
+    MongoScope,
+    Resource,
+    RetryPolicy,
+    queue,
+)
 from lily_mongo.testing import Faults, TestConsumer, check_idempotent
 from tests.integration.test_cli import cli_env, cli_process, finish, wait_for_consumer
 from tests.support import Broker, MongoDB, eventually

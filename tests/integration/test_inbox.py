@@ -32,11 +32,11 @@ from lily_mongo import (
     MongoScope,
     QueueHandlerError,
     RetryCount,
+    RetryPolicy,
     ScopeClosedError,
     TerminalObservation,
+    queue,
 )
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
 from lily_mongo.testing import Faults
 from tests.support import Broker, CuttingProxy, MongoDB, Streams, accepting, eventually, one_event, outcomes, running
 

@@ -27,9 +27,18 @@ import pytest
 from pymongo import AsyncMongoClient, monitoring
 from pymongo.errors import OperationFailure
 
-from lily_mongo import Consumer, EventId, InboxOptions, Json, MongoScope, OutboxOptions, Publisher, QueueHandlerError
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
+from lily_mongo import (
+    Consumer,
+    EventId,
+    InboxOptions,
+    Json,
+    MongoScope,
+    OutboxOptions,
+    Publisher,
+    QueueHandlerError,
+    RetryPolicy,
+    queue,
+)
 from lily_mongo.testing import Faults
 from tests.support import BrokerNames, eventually, outcomes, running
 

@@ -18,9 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from lily_mongo import Consumer, EventId, InboxOptions, MongoScope
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
+from lily_mongo import Consumer, EventId, InboxOptions, MongoScope, RetryPolicy, queue
 from tests.support import Broker, CuttingProxy, MongoDB, Streams, eventually, one_event, outcomes, running
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,11 +28,11 @@ from lily_mongo import (
     MongoScope,
     Publisher,
     Redelivered,
+    RetryPolicy,
     ShutdownReport,
     TerminalObservation,
+    queue,
 )
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
 from tests.support import (
     Broker,
     MongoDB,

@@ -15,9 +15,7 @@ import aio_pika
 import aio_pika.abc
 import pydantic
 
-from lily_mongo import Consumer, Json, ManagedConsumer
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
+from lily_mongo import Consumer, Json, ManagedConsumer, RetryPolicy, queue
 from tests.support import (
     BrokerNames,
     RawProducer,

@@ -22,10 +22,19 @@ import orjson
 import pytest
 from bson import Binary
 
-from lily_mongo import ConfigError, Consumer, EventId, Json, MongoScope, OutboxOptions, QueueHandlerError
+from lily_mongo import (
+    ConfigError,
+    Consumer,
+    DeliveryContext,
+    EventId,
+    Json,
+    MongoScope,
+    OutboxOptions,
+    QueueHandlerError,
+    RetryPolicy,
+    queue,
+)
 from lily_mongo._outbox import OutboxRelay
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import DeliveryContext, queue
 from lily_mongo._tasks import TaskSet
 from lily_mongo.envelope import validate_envelope
 from lily_mongo.publisher import JSON, prepare_publication

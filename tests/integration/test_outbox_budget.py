@@ -15,10 +15,8 @@ from typing import Any
 
 from pymongo import monitoring
 
-from lily_mongo import Consumer, EventId, MongoScope, Outbox, OutboxOptions, OutboxTransaction
+from lily_mongo import Consumer, EventId, MongoScope, Outbox, OutboxOptions, OutboxTransaction, RetryPolicy, queue
 from lily_mongo._outbox import OutboxRelay
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
 from tests.integration.test_outbox import event_ids, outbox_record, relays_running
 from tests.support import Broker, CommandLog, MongoDB, eventually, running, w1_client
 

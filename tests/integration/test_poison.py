@@ -18,9 +18,7 @@ import aio_pika.abc
 import pydantic
 import pytest
 
-from lily_mongo import Consumer, Json
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
+from lily_mongo import Consumer, Json, RetryPolicy, queue
 from lily_mongo.bounds import BOUNDS
 from tests.support import Broker, wait_observations
 

@@ -7,9 +7,8 @@ import uuid
 import aio_pika.abc
 import pytest
 
-from lily_mongo import Bytes, Consumer, Publisher, TransportError
+from lily_mongo import Bytes, Consumer, Publisher, TransportError, queue
 from lily_mongo._errors import PublishError
-from lily_mongo._plan.routes import queue
 from tests.support import BrokerNames, drain
 
 

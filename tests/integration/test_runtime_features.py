@@ -26,20 +26,22 @@ from lily_mongo import (
     ConfigError,
     Consumer,
     CustomPublishContent,
+    DeliveryContext,
     EventId,
     Extractor,
     Json,
     ManagedConsumer,
     Publisher,
     QueueHandlerError,
+    QueueOptions,
     RawDelivery,
     Redelivered,
     RetryCount,
+    RetryPolicy,
     TerminalObservation,
     Text,
+    queue,
 )
-from lily_mongo._plan.options import QueueOptions, RetryPolicy
-from lily_mongo._plan.routes import DeliveryContext, queue
 from lily_mongo._topology import declare_topology
 from tests.support import (
     Broker,

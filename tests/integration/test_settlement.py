@@ -24,9 +24,17 @@ import pamqp.decode
 import pydantic
 import pytest
 
-from lily_mongo import EventId, Json, QueueHandlerError, Redelivered, RetryCount, ShutdownReport, TerminalObservation
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
+from lily_mongo import (
+    EventId,
+    Json,
+    QueueHandlerError,
+    Redelivered,
+    RetryCount,
+    RetryPolicy,
+    ShutdownReport,
+    TerminalObservation,
+    queue,
+)
 from tests.support import Broker, eventually, running, wait_observations
 
 LONG_DELAY = 30.0  # long enough to inspect a retry copy in its bucket before the TTL sends it back

@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient
 
-from lily_mongo import Consumer, Json, MongoScope
+from lily_mongo import Consumer, Json, MongoScope, queue
 from lily_mongo._errors import TransportError
 from lily_mongo._mongo import check_mongo
-from lily_mongo._plan.routes import queue
 from lily_mongo.testing import Faults
 from tests.support import Broker, close_client, consumer_count
 

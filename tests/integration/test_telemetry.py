@@ -38,9 +38,9 @@ from lily_mongo import (
     Publisher,
     QueueHandlerError,
     Relay,
+    RetryPolicy,
+    queue,
 )
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.telemetry import Telemetry
 from lily_mongo.testing import Faults

@@ -17,9 +17,17 @@ import pytest
 from pymongo import AsyncMongoClient
 from pymongo.errors import OperationFailure, PyMongoError
 
-from lily_mongo import ConfigError, Consumer, EventId, Json, MongoScope, QueueHandlerError, RetryCount
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
+from lily_mongo import (
+    ConfigError,
+    Consumer,
+    EventId,
+    Json,
+    MongoScope,
+    QueueHandlerError,
+    RetryCount,
+    RetryPolicy,
+    queue,
+)
 from lily_mongo.testing import DeliveryResult, Faults, TestConsumer, check_idempotent
 from tests.support import MongoDB
 

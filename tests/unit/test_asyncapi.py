@@ -23,10 +23,8 @@ import jsonschema
 import pydantic
 import pytest
 
-from lily_mongo import Bytes, Consumer, Json, Text
-from lily_mongo._plan.options import RetryPolicy
+from lily_mongo import Bytes, Consumer, Json, RetryPolicy, Text, queue
 from lily_mongo._plan.plan import Plan
-from lily_mongo._plan.routes import queue
 from lily_mongo.asyncapi import asyncapi_document
 from lily_mongo.publisher import BINARY, JSON, TEXT, prepare_publication
 from tests.support import resolve, version_and_content

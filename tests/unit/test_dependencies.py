@@ -16,11 +16,21 @@ from typing import Annotated, Any
 import pydantic
 import pytest
 
-from lily_mongo import ConfigError, EventId, Json, MongoDatabase, PlanError, QueueHandlerError, Text
+from lily_mongo import (
+    ConfigError,
+    Depends,
+    EventId,
+    Json,
+    MongoDatabase,
+    PlanError,
+    QueueHandlerError,
+    Resource,
+    RetryCount,  # noqa: F401  # named by the source exec'd below
+    Text,
+)
 from lily_mongo._engine.dispatch import Prepared, Services, invoke, prepare
 from lily_mongo._inbox import MongoScope
 from lily_mongo._plan.options import QueueOptions
-from lily_mongo._plan.parameters import Depends, Resource
 from lily_mongo._plan.plan import Plan, PlanBuilder
 from lily_mongo._plan.routes import HandlerRoute, queue
 from lily_mongo._verdicts import Outcome, PipelineResult

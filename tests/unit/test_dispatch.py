@@ -20,13 +20,23 @@ from typing import Annotated, Any
 import pydantic
 import pytest
 
-from lily_mongo import EventId, Extractor, Json, QueueHandlerError, RawDelivery, Redelivered, RetryCount, Text
+from lily_mongo import (
+    DeliveryContext,
+    EventId,
+    Extractor,
+    Json,
+    QueueHandlerError,
+    RawDelivery,
+    Redelivered,
+    RetryCount,
+    Text,
+)
 from lily_mongo._engine.dispatch import Prepared, Rejected, arguments, invoke, prepare, select_route
 from lily_mongo._inbox import MongoScope
 from lily_mongo._plan.extractors import NOT_DECODED
 from lily_mongo._plan.options import QueueOptions
 from lily_mongo._plan.plan import Plan, PlanBuilder
-from lily_mongo._plan.routes import DeliveryContext, HandlerRoute, queue
+from lily_mongo._plan.routes import HandlerRoute, queue
 from lily_mongo._verdicts import Outcome, PipelineResult
 
 Handler = Callable[..., Awaitable[None]]

@@ -16,12 +16,10 @@ from typing import Any
 
 import pytest
 
-from lily_mongo import ConfigError, Consumer, Json, LilyError, TerminalObservation
+from lily_mongo import ConfigError, Consumer, Json, LilyError, RetryPolicy, TerminalObservation, queue
 from lily_mongo._engine.engine import Engine, Phase
 from lily_mongo._engine.message import InboundMessage
 from lily_mongo._lifecycle import ManagedConsumer
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
 from lily_mongo._supervision import Lifecycle, State
 from lily_mongo._tasks import TaskSet
 from lily_mongo.publisher import JSON, prepare_publication

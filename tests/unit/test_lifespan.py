@@ -13,10 +13,17 @@ from typing import Annotated, Any
 
 import pytest
 
-from lily_mongo import ConfigError, Consumer, Json, QueueHandlerError, TransportError
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.parameters import Depends, Resource
-from lily_mongo._plan.routes import queue
+from lily_mongo import (
+    ConfigError,
+    Consumer,
+    Depends,
+    Json,
+    QueueHandlerError,
+    Resource,
+    RetryPolicy,
+    TransportError,
+    queue,
+)
 from lily_mongo.testing import TestConsumer
 
 CLOSED_PORT = "amqp://guest:guest@127.0.0.1:1/"

@@ -24,10 +24,10 @@ from lily_mongo import (
     OutboxTransaction,
     Publisher,
     Relay,
+    queue,
 )
 from lily_mongo._outbox import OutboxWriter
 from lily_mongo._plan.options import QueueOptions
-from lily_mongo._plan.routes import queue
 from lily_mongo.publisher import prepare_publication
 
 URL = "amqp://guest:guest@127.0.0.1/"

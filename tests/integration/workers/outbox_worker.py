@@ -28,9 +28,7 @@ from typing import Any
 
 from pymongo import AsyncMongoClient
 
-from lily_mongo import Consumer, EventId, MongoScope, OutboxOptions, Relay
-from lily_mongo._plan.options import RetryPolicy
-from lily_mongo._plan.routes import queue
+from lily_mongo import Consumer, EventId, MongoScope, OutboxOptions, Relay, RetryPolicy, queue
 
 
 def emit(record: dict[str, Any]) -> None:
