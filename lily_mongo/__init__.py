@@ -17,10 +17,10 @@ from ._errors import (
     ScopeClosedError,
     TransportError,
 )
-from ._inbox import InboxOptions, MongoScope
+from ._inbox import InboxOptions, MongoDatabase, MongoScope
 from ._lifecycle import Consumer, ManagedConsumer
 from ._outbox import Outbox, OutboxOptions, OutboxTransaction, Relay
-from ._plan.extractors import Bytes, EventId, Extractor, Json, MongoDatabase, RawDelivery, Redelivered, RetryCount, Text
+from ._plan.extractors import Bytes, EventId, Extractor, Json, RawDelivery, Redelivered, RetryCount, Text
 from ._plan.options import QueueOptions, RetryPolicy
 from ._plan.parameters import Depends, Resource
 from ._plan.routes import DeliveryContext, queue

@@ -2,14 +2,16 @@
 
 One module per concern, lowest first:
 
+* :mod:`.acks`: which ACK frames a flush writes (pure);
 * :mod:`.codec`: the frame layouts (basic.deliver, content header, field table),
   each walked by one function, strictly (the direct decoding) or leniently;
 * :mod:`.errors`: the table mapping AMQP client errors to lily errors;
-* :mod:`.publishing`: mandatory, confirmed publishes (LongInt retry counts, copies);
+* :mod:`.properties`: the message properties lily writes (LongInt retry counts);
 * :mod:`.lenient`: the lenient frame reader between a connection's socket and its receiver;
 * :mod:`.receiver`: lily's frame receiver (whole frames, hot ones decoded directly);
 * :mod:`.coalescer`: one consuming channel's ACK frames, coalesced;
-* :mod:`.inbound`: one consumed delivery as the runtime reads and settles it;
+* :mod:`.inbound`: one consumed delivery as the engine reads and settles it;
+* :mod:`.publishing`: mandatory, confirmed publishes, and copies of a delivery;
 * :mod:`.patches`: every reach into aiormq's, aio-pika's and asyncio's internals,
   behind one version check with a stock fallback;
 * :mod:`.connections`: opening connections, and what a refused one says.
@@ -23,14 +25,8 @@ from .errors import AMQP_ERRORS, AmqpFailure, amqp_failure, channel_errors, map_
 from .inbound import AmqpMessage
 from .lenient import MALFORMED_HEADER, LenientFrameReader
 from .patches import unbounded_frame_queue
-from .publishing import (
-    LONG_INT_HEADERS,
-    LilyProperties,
-    basic_publish,
-    encode_headers_table,
-    publish_properties,
-    republish,
-)
+from .properties import LONG_INT_HEADERS, LilyProperties, encode_headers_table
+from .publishing import basic_publish, publish_properties, republish
 
 __all__ = [
     "AMQP_ERRORS",

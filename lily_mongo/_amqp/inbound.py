@@ -12,7 +12,7 @@ from pamqp import commands as spec
 from .coalescer import AckCoalescer
 from .codec import PROPERTY_NAMES
 from .lenient import MALFORMED_HEADER
-from .publishing import LilyProperties
+from .properties import LilyProperties
 
 __all__ = ["AmqpMessage"]
 

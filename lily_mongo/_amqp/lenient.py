@@ -42,7 +42,7 @@ from .codec import (
     read_content_header,
     read_delivery,
 )
-from .publishing import LilyProperties
+from .properties import LilyProperties
 
 __all__ = ["MALFORMED_HEADER", "LenientFrameReader"]
 

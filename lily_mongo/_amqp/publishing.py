@@ -1,10 +1,6 @@
 """Publishing: the one place that publishes, mandatory and confirmed, with LongInt retry counts.
 
-* :class:`LilyProperties` encodes ``x-retry-count`` as AMQP LongInt (type tag
-  ``I``) whatever its value. pamqp picks the narrowest integer type for table
-  values (``b`` for 0..127) and offers no per-value choice; overriding the
-  header table encoding on this one properties subclass keeps every other
-  value, and every other publisher in the process, on pamqp's defaults.
+* the message properties are :class:`~.properties.LilyProperties` (``x-retry-count`` as LongInt);
 * :func:`basic_publish` / :func:`publish_properties` publish mandatory on a
   confirming channel and return once the broker confirmed; every failure is a
   :class:`PublishError` (:func:`publish_error`).
@@ -13,18 +9,16 @@
 
 from __future__ import annotations
 
-import struct
 import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import aiormq.abc
 from pamqp import commands as spec
-from pamqp import common, encode
 
 from .._errors import PublishError
-from .._headers import RETRY_COUNT_HEADER
 from .errors import AmqpFailure, map_amqp_errors
+from .properties import LilyProperties
 
 if TYPE_CHECKING:
     import aio_pika.abc
@@ -32,56 +26,11 @@ if TYPE_CHECKING:
     from .inbound import AmqpMessage
 
 __all__ = [
-    "LONG_INT_HEADERS",
-    "LilyProperties",
     "basic_publish",
-    "encode_headers_table",
     "publish_error",
     "publish_properties",
     "republish",
 ]
-
-# Headers always written as signed 32-bit LongInt (docs/contracts.md, x-retry-count).
-LONG_INT_HEADERS: frozenset[str] = frozenset({RETRY_COUNT_HEADER})
-_LONG_INT = struct.Struct(">i")
-
-
-def _field_value(value: Any) -> Any:
-    """pamqp encodes byte arrays from ``bytearray`` only; ``bytes`` (what MongoDB and most
-    callers hand back) becomes a byte array too, nested values included."""
-    if isinstance(value, bytes):
-        return bytearray(value)
-    if isinstance(value, dict):
-        return {k: _field_value(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_field_value(v) for v in value]
-    return value
-
-
-def encode_headers_table(headers: Mapping[str, Any]) -> bytes:
-    """Encode an AMQP field table like pamqp does, but LongInt for :data:`LONG_INT_HEADERS`."""
-    if not headers:
-        return common.Struct.integer.pack(0)
-    parts: list[bytes] = []
-    for key, value in sorted(headers.items()):
-        parts.append(encode.short_string(key))
-        if key in LONG_INT_HEADERS and type(value) is int:
-            parts.append(b"I" + _LONG_INT.pack(value))
-        elif isinstance(value, bytes | dict | list | tuple):
-            parts.append(encode.encode_table_value(_field_value(value)))
-        else:
-            parts.append(encode.encode_table_value(value))
-    payload = b"".join(parts)
-    return common.Struct.integer.pack(len(payload)) + payload
-
-
-class LilyProperties(spec.Basic.Properties):
-    """Basic.Properties whose header table writes ``x-retry-count`` as LongInt."""
-
-    def encode_property(self, name: str, value: common.FieldValue) -> bytes:
-        if name == "headers" and isinstance(value, dict):
-            return encode_headers_table(value)
-        return super().encode_property(name, value)
 
 
 def publish_error(failure: AmqpFailure, exc: BaseException, *, where: str, timeout: float) -> PublishError:

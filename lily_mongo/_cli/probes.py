@@ -23,7 +23,7 @@ snapshot when scraped (docs/deployment.md, section 2).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from .._snapshots import Snapshot
     from .._supervision import ShutdownReport
     from ..telemetry import Telemetry
-    from .workers import Supervisor
 
 __all__ = ["MetricsCollector", "ProbeServer", "Served", "WorkerProbes", "merge_worker_metrics"]
 
@@ -212,6 +211,37 @@ def merge_worker_metrics(expositions: Iterable[tuple[int, str]]) -> list[Metric]
     return list(merged.values())
 
 
+class WorkerView(Protocol):
+    """One worker process, as the probes read it."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def http_port(self) -> int | None: ...
+
+
+class WorkerCount(Protocol):
+    @property
+    def workers(self) -> int: ...
+
+
+class SupervisorView(Protocol):
+    """What ``/healthz``, ``/readyz`` and ``/metrics`` read from the ``run --workers`` supervisor."""
+
+    @property
+    def options(self) -> WorkerCount: ...
+    @property
+    def workers(self) -> Mapping[int, WorkerView]: ...
+    @property
+    def restarts(self) -> int: ...
+    @property
+    def stopping(self) -> bool: ...
+    @property
+    def failed(self) -> bool: ...
+
+
 class _WorkerMetrics:
     """Collector of the supervisor's own series and the last merged worker families."""
 
@@ -241,7 +271,7 @@ class WorkerProbes:
     labelled ``worker="<n>"``, and the supervisor's own series (workers, restarts).
     """
 
-    def __init__(self, host: str, port: int, supervisor: Supervisor) -> None:
+    def __init__(self, host: str, port: int, supervisor: SupervisorView) -> None:
         self.host = host
         self.port = port
         self.supervisor = supervisor

@@ -11,18 +11,16 @@ import asyncio
 import functools
 import logging
 import random
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .._backoff import backoff
 from .._errors import PublishError
 from .delivery import Delivery
 from .logs import log_fields
+from .message import Handoff
 from .settlement import Budget, Evidence, HandoffState, Step, StepKind, handoff_headers
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ["DeliveryEffects"]
+__all__ = ["DeliveryEffects", "Settling"]
 
 log = logging.getLogger("lily_mongo")
 
@@ -32,12 +30,21 @@ _REQUEUE_PAUSE_BASE = 0.05
 _REQUEUE_PAUSE_CAP = 2.0
 
 
+class Settling(Protocol):
+    """What a delivery's effects need of the engine that settles it."""
+
+    @property
+    def has_authority(self) -> bool: ...
+    @property
+    def handoff(self) -> Handoff: ...
+
+
 class DeliveryEffects:
     """The settlement effects of one delivery: its own channel, the engine's handoff."""
 
     __slots__ = ("delivery", "engine")
 
-    def __init__(self, engine: Engine, delivery: Delivery) -> None:
+    def __init__(self, engine: Settling, delivery: Delivery) -> None:
         self.engine = engine
         self.delivery = delivery
 

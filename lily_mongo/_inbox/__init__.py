@@ -13,7 +13,7 @@ from __future__ import annotations
 from .attempts import Invoke
 from .inbox import Inbox
 from .options import InboxOptions
-from .scope import MongoScope
+from .scope import MongoDatabase, MongoScope
 from .stats import STAT_COLUMNS, inbox_stats
 
-__all__ = ["STAT_COLUMNS", "Inbox", "InboxOptions", "Invoke", "MongoScope", "inbox_stats"]
+__all__ = ["STAT_COLUMNS", "Inbox", "InboxOptions", "Invoke", "MongoDatabase", "MongoScope", "inbox_stats"]

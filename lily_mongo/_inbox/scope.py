@@ -1,18 +1,21 @@
-"""``MongoScope``: the handler's view of one attempt (docs/handlers.md)."""
+"""A handler's MongoDB parameters (docs/handlers.md): ``MongoScope``, its view of one attempt, and
+``MongoDatabase``, the consumer's database."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pymongo.asynchronous.database import AsyncDatabase
 
 from .._mongo import TransactionScope
+from .._plan.extractors import MongoDatabaseMark
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.client_session import AsyncClientSession
-    from pymongo.asynchronous.database import AsyncDatabase
 
     from .._outbox import OutboxWriter
 
-__all__ = ["MongoScope"]
+__all__ = ["MongoDatabase", "MongoScope"]
 
 
 class MongoScope(TransactionScope):
@@ -40,3 +43,10 @@ class MongoScope(TransactionScope):
         self._check()
         assert self._outbox is not None
         return self._outbox
+
+
+MongoDatabase = Annotated[AsyncDatabase[Any], MongoDatabaseMark()]
+"""The consumer's database (PyMongo's ``AsyncDatabase``), for handlers of any guarantee.
+
+An inbox handler's writes belong to its transaction only with ``session=mongo.session``
+(``MongoScope``); an at-least-once handler writes straight through it."""

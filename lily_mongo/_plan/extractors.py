@@ -29,8 +29,6 @@ from .._errors import PlanError
 from .._fast import slot_constructor
 
 if TYPE_CHECKING:
-    from pymongo.asynchronous.database import AsyncDatabase
-
     from ..envelope import Envelope
 
 __all__ = [
@@ -38,7 +36,6 @@ __all__ = [
     "EventId",
     "Extractor",
     "Json",
-    "MongoDatabase",
     "RawDelivery",
     "Redelivered",
     "RetryCount",
@@ -192,13 +189,3 @@ class MongoDatabaseMark:
 
     def __repr__(self) -> str:
         return "MongoDatabase"
-
-
-if TYPE_CHECKING:
-    MongoDatabase = Annotated[AsyncDatabase[Any], MongoDatabaseMark()]
-else:  # the annotation names no PyMongo type at run time: this module imports no I/O library
-    MongoDatabase = Annotated[Any, MongoDatabaseMark()]
-"""The consumer's database (PyMongo's ``AsyncDatabase``), for handlers of any guarantee.
-
-An inbox handler's writes belong to its transaction only with ``session=mongo.session``
-(``MongoScope``); an at-least-once handler writes straight through it."""
