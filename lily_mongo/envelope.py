@@ -375,23 +375,7 @@ def validate_envelope(
     if problem is not None:
         raise _invalid(f"header {CONTENT_KIND_HEADER!r} {problem}")
 
-    retry_value = headers.get(RETRY_COUNT_HEADER)
-    if retry_value is None and RETRY_COUNT_HEADER not in headers:
-        retry_count = 0
-    elif type(retry_value) is not int:
-        # bool is an int subclass in Python but not an AMQP integer here.
-        raise _invalid(
-            f"header {RETRY_COUNT_HEADER!r} must be an AMQP integer 0..{BOUNDS.retry_count_max}, "
-            f"got {describe_value(retry_value)}"
-        )
-    elif not 0 <= retry_value <= BOUNDS.retry_count_max:
-        raise _invalid(
-            f"header {RETRY_COUNT_HEADER!r} is {describe_value(retry_value)}, "
-            f"outside the bound 0..{BOUNDS.retry_count_max}"
-        )
-    else:
-        retry_count = retry_value
-
+    retry_count = _retry_count(headers)
     traceparent = _optional_trace(headers, TRACEPARENT_HEADER, BOUNDS.traceparent_bytes)
     tracestate = _optional_trace(headers, TRACESTATE_HEADER, BOUNDS.tracestate_bytes)
     if traceparent is not None and not valid_traceparent(traceparent):
@@ -405,6 +389,24 @@ def validate_envelope(
     if len(_known_kinds) < _KNOWN_LIMIT:
         _known_kinds[kind] = kind
     return _new_envelope(canonical_uuid(event_text), version, kind, retry_count, traceparent, tracestate)
+
+
+def _retry_count(headers: Mapping[str, object]) -> int:
+    """``x-retry-count``: absent is 0; present, an AMQP integer within its bound."""
+    value = headers.get(RETRY_COUNT_HEADER)
+    if value is None and RETRY_COUNT_HEADER not in headers:
+        return 0
+    if type(value) is not int:
+        # bool is an int subclass in Python but not an AMQP integer here.
+        raise _invalid(
+            f"header {RETRY_COUNT_HEADER!r} must be an AMQP integer 0..{BOUNDS.retry_count_max}, "
+            f"got {describe_value(value)}"
+        )
+    if not 0 <= value <= BOUNDS.retry_count_max:
+        raise _invalid(
+            f"header {RETRY_COUNT_HEADER!r} is {describe_value(value)}, outside the bound 0..{BOUNDS.retry_count_max}"
+        )
+    return value
 
 
 def sanitize_headers(headers: Mapping[str, object] | None) -> tuple[dict[str, object], int]:

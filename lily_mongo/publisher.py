@@ -119,25 +119,11 @@ def prepare_publication[T](
             f"version must be an integer {BOUNDS.schema_version_min}..{BOUNDS.schema_version_max}, "
             f"got {describe_value(version)}"
         )
-    if event_id is None:
-        event = uuid.uuid4()
-    elif isinstance(event_id, uuid.UUID):
-        event = event_id
-    elif is_canonical_uuid(event_id):
-        event = uuid.UUID(event_id)
-    else:
-        raise ConfigError(f"event_id must be a UUID or canonical UUID text, got {describe_value(event_id)}")
-    if event.int == 0:
-        raise ConfigError("event_id must not be the nil UUID")
+    event = _event_id(event_id)
     body = content.encode(payload)
     if not isinstance(body, bytes):
         raise ConfigError(f"encoder for content kind {content.kind!r} returned {type(body).__name__}, not bytes")
-    table: dict[str, Any] = {}
-    if headers:
-        for key in headers:
-            if key.startswith("x-lily-") or key == RETRY_COUNT_HEADER:
-                raise ConfigError(f"headers may not set the reserved header {key!r}; use the keyword arguments")
-        table.update(headers)
+    table = _own_headers(headers)
     table[EVENT_ID_HEADER] = str(event)
     table[SCHEMA_VERSION_HEADER] = str(version)
     table[CONTENT_KIND_HEADER] = content.kind
@@ -152,6 +138,32 @@ def prepare_publication[T](
     except EnvelopeError as exc:
         raise ConfigError(f"message would be rejected by consumers: {exc.code}: {exc.reason}") from exc
     return Publication(exchange, routing_key, body, table, content.content_type, event)
+
+
+def _event_id(event_id: uuid.UUID | str | None) -> uuid.UUID:
+    """The event id a publish gives (a new one when None), never the nil UUID."""
+    if event_id is None:
+        return uuid.uuid4()
+    if isinstance(event_id, uuid.UUID):
+        event = event_id
+    elif is_canonical_uuid(event_id):
+        event = uuid.UUID(event_id)
+    else:
+        raise ConfigError(f"event_id must be a UUID or canonical UUID text, got {describe_value(event_id)}")
+    if event.int == 0:
+        raise ConfigError("event_id must not be the nil UUID")
+    return event
+
+
+def _own_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The caller's headers, none of them one the framework writes itself."""
+    table: dict[str, Any] = {}
+    if headers:
+        for key in headers:
+            if key.startswith("x-lily-") or key == RETRY_COUNT_HEADER:
+                raise ConfigError(f"headers may not set the reserved header {key!r}; use the keyword arguments")
+        table.update(headers)
+    return table
 
 
 class TypedPublishing:

@@ -1,4 +1,4 @@
-"""One consumed delivery as the runtime reads and settles it: :class:`AmqpMessage`."""
+"""One consumed delivery as the engine reads and settles it: :class:`AmqpMessage`."""
 
 from __future__ import annotations
 

@@ -20,6 +20,20 @@ if TYPE_CHECKING:
     pass
 
 
+def _imported(module_name: str) -> object:
+    """The target's module, imported from the current directory as ``python -m`` would."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            fail(ExitCode.USAGE, f"cannot import {module_name!r}: no such module (run from your project's root)")
+        fail(ExitCode.USAGE, f"importing {module_name!r} failed: {exc}")
+    except Exception as exc:
+        fail(ExitCode.USAGE, f"importing {module_name!r} failed: {type(exc).__name__}: {exc}")
+
+
 def load_consumer(target: str) -> Consumer:
     """Import ``module:attribute``: a Consumer, or a plain function taking no arguments that returns one.
 
@@ -29,17 +43,7 @@ def load_consumer(target: str) -> Consumer:
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         fail(ExitCode.USAGE, f"expected module:attribute (for example myservice:consumer), got {target!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
-            fail(ExitCode.USAGE, f"cannot import {module_name!r}: no such module (run from your project's root)")
-        fail(ExitCode.USAGE, f"importing {module_name!r} failed: {exc}")
-    except Exception as exc:
-        fail(ExitCode.USAGE, f"importing {module_name!r} failed: {type(exc).__name__}: {exc}")
-    value = getattr(module, attribute, None)
+    value = getattr(_imported(module_name), attribute, None)
     if value is None:
         fail(ExitCode.USAGE, f"module {module_name!r} has no attribute {attribute!r}")
     if isinstance(value, Consumer):
