@@ -188,7 +188,13 @@ build_roots() {
     [[ " ${suites[*]} " == *" $suite "* ]] || suites+=("$suite")
   done
   local missing=()
-  for suite in "${suites[@]}"; do root_ok "$suite" || missing+=("$suite"); done
+  for suite in "${suites[@]}"; do
+    if root_ok "$suite"; then
+      say "$suite: reusing the root in $(root_of "$suite") ($(sed -n 1p "$(root_of "$suite")/.lily-root-ok"), $(sed -n 3p "$(root_of "$suite")/.lily-root-ok"))"
+    else
+      missing+=("$suite")
+    fi
+  done
   [[ ${#missing[@]} -eq 0 ]] && return 0
   ensure_debootstrap
   for suite in "${missing[@]}"; do
