@@ -167,10 +167,34 @@ build_root() {
     fail "$suite: rabbitmq-server is not installed in the root (log: $log)"
   [[ -x $build/usr/lib/rabbitmq/bin/rabbitmq-server ]] || fail "$suite: no /usr/lib/rabbitmq/bin/rabbitmq-server in the root"
   chroot "$build" getent passwd rabbitmq >/dev/null || fail "$suite: the root has no rabbitmq user"
+  align_user "$build"
   printf 'rabbitmq-server %s\nerlang-base %s\nbuilt in %s s from %s\n' "$version" \
     "$(chroot "$build" dpkg-query -W -f "\${Version}" erlang-base)" "$(since "$started")" "$mirror_url" >"$build/.lily-root-ok"
   mv "$build" "$root"
   say "$suite: root built in $(since "$started") s (rabbitmq-server $version)"
+}
+
+# The root's rabbitmq user takes the uid and gid of this machine's rabbitmq user, when there is
+# one, so that the nodes' processes and files belong to rabbitmq here too, not to whichever user
+# of this machine happens to have the numbers the root's package chose. Only while no node of
+# the root runs (and nothing is mounted in it).
+align_user() {
+  local root=$1 uid gid old_uid old_gid
+  uid=$(id -u rabbitmq 2>/dev/null) || return 0
+  gid=$(id -g rabbitmq)
+  old_uid=$(chroot "$root" id -u rabbitmq)
+  old_gid=$(chroot "$root" id -g rabbitmq)
+  [[ $uid == "$old_uid" && $gid == "$old_gid" ]] && return 0
+  if { [[ $uid != "$old_uid" ]] && chroot "$root" getent passwd "$uid" >/dev/null; } ||
+    { [[ $gid != "$old_gid" ]] && chroot "$root" getent group "$gid" >/dev/null; }; then
+    say "$(basename "$root"): uid $uid or gid $gid is taken in the root; its rabbitmq user keeps $old_uid:$old_gid"
+    return 0
+  fi
+  chroot "$root" groupmod -g "$gid" rabbitmq
+  chroot "$root" usermod -u "$uid" -g "$gid" rabbitmq
+  find "$root" -xdev -uid "$old_uid" -exec chown -h "$uid" {} +
+  find "$root" -xdev -gid "$old_gid" -exec chgrp -h "$gid" {} +
+  say "$(basename "$root"): the root's rabbitmq user is now $uid:$gid, as on this machine"
 }
 
 ensure_debootstrap() {
@@ -206,8 +230,18 @@ build_roots() {
 }
 
 mount_root() {
-  local root
+  local root node broker running=0
   root=$(root_of "$1")
+  # A root built before its user was aligned: align it while none of its nodes runs.
+  for broker in "${BROKERS[@]}"; do
+    [[ $(broker_suite "$broker") == "$1" ]] || continue
+    for node in $(broker_nodes "$broker"); do node_alive "$node" && running=1; done
+  done
+  if [[ $running -eq 0 ]]; then
+    unmount_below "$root/proc"
+    unmount_below "$root/dev"
+    align_user "$root"
+  fi
   mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"
   mountpoint -q "$root/dev" || mount --bind /dev "$root/dev"
   cp /etc/hosts "$root/etc/hosts"
@@ -339,7 +373,8 @@ launch_node() {
   dir=$(node_dir "$node")
   rm -f "$dir/mnesia/$(node_name "$node").pid"
   node_command "$node"
-  setsid "${NODE_COMMAND[@]}" rabbitmq-server >>"$dir/log/console.log" 2>&1 </dev/null &
+  # The node must not hold this script's lock files open (fds 8 and 9) for as long as it runs.
+  setsid "${NODE_COMMAND[@]}" rabbitmq-server >>"$dir/log/console.log" 2>&1 </dev/null 8>&- 9>&- &
   echo $! >"$dir/launcher.pid"
   return 0
 }

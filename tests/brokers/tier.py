@@ -39,7 +39,7 @@ class RabbitMQ:
     def counts_every_return(self) -> bool:
         """Whether a quorum queue raises x-delivery-count on every return, basic.nack(requeue=true) included
         (observed on 3.10.8 and 4.0.5; on 4.3.6 only basic.reject(requeue=true) and a lost channel do)."""
-        return True
+        return self.version < (4, 3)
 
     @property
     def default_delivery_limit(self) -> int | None:
