@@ -4,13 +4,16 @@ Usage::
 
     python inbox_worker.py --mongo-uri URI --amqp URL --database DB --queue Q
                            --handler-id ID --name NAME [--lease-seconds S] [--slow S]
-                           [--deadline S] [--max-deferrals N]
+                           [--deadline S] [--max-deferrals N] [--queue-type T] [--passive]
+                           [--die-in-handler]
 
 The handler sleeps ``--slow`` seconds, then writes one ``effects`` document in
 the attempt's transaction (the sleep comes before the transaction's first
-operation). Every line on stdout is one JSON object: ``{"ready": ...}`` once
-consuming, ``{"handler": ...}`` when a handler call starts, and
-``{"observations": [...]}`` after shutdown.
+operation); with ``--die-in-handler`` it kills its own process with SIGKILL
+instead, on every delivery (a message that crashes its consumer). Every line
+on stdout is one JSON object: ``{"ready": ...}`` once consuming,
+``{"handler": ...}`` when a handler call starts, and ``{"observations": [...]}``
+after shutdown.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -36,6 +40,8 @@ async def run(args: argparse.Namespace) -> None:
     @queue(args.queue, version=1, content="json", handler_id=args.handler_id)
     async def handle(event_id: EventId, mongo: MongoScope) -> None:
         emit({"handler": str(event_id), "pid": os.getpid()})
+        if args.die_in_handler:
+            os.kill(os.getpid(), signal.SIGKILL)
         if args.slow:
             await asyncio.sleep(args.slow)
         await mongo.database["effects"].insert_one(
@@ -58,6 +64,8 @@ async def run(args: argparse.Namespace) -> None:
         prefetch=1,
         deadline=args.deadline,
         max_deferrals=args.max_deferrals,
+        queue_type=args.queue_type,
+        passive=args.passive,
         retry=RetryPolicy(max_retries=1, delays=(0.2,)),
     )
     consumer.include(handle)
@@ -96,6 +104,9 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--deadline", type=float, default=60.0)
     parser.add_argument("--max-deferrals", type=int, default=50)
+    parser.add_argument("--queue-type", choices=("classic", "quorum"), default="classic")
+    parser.add_argument("--passive", action="store_true", help="take the queues as they are declared")
+    parser.add_argument("--die-in-handler", action="store_true")
     asyncio.run(run(parser.parse_args()))
 
 
