@@ -14,8 +14,8 @@ from pamqp import frame as pamqp_frame
 from yarl import URL
 
 from lily_mongo import QueueOptions
+from lily_mongo._topology import topology_names
 from lily_mongo._versions import release
-from lily_mongo.topology import topology_names
 from tests.integration.test_runtime_features import declare_or_refusal
 from tests.support import Broker
 
