@@ -10,15 +10,9 @@ import aio_pika.abc
 import pydantic
 
 from lily_mongo.dlq import list_dead_letters, replay_dead_letters
-from tests.support import (
-    NO_RETRIES,
-    Broker,
-    eventually,
-    outcomes,
-    rejecting,
-    running,
-    wait_for_depth,
-)
+from tests.support.broker import Broker, wait_for_depth
+from tests.support.consumers import NO_RETRIES, outcomes, rejecting, running
+from tests.support.polling import eventually
 
 
 class Item(pydantic.BaseModel):

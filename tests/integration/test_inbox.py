@@ -38,7 +38,11 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.testing import Faults
-from tests.support import Broker, CuttingProxy, MongoDB, Streams, accepting, eventually, one_event, outcomes, running
+from tests.support.broker import Broker
+from tests.support.consumers import accepting, one_event, outcomes, running
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
+from tests.support.proxy import CuttingProxy, Streams
 
 Handler = Callable[..., Awaitable[None]]
 

@@ -16,16 +16,9 @@ import aio_pika.abc
 import pydantic
 
 from lily_mongo import Consumer, Json, ManagedConsumer, RetryPolicy, queue
-from tests.support import (
-    BrokerNames,
-    RawProducer,
-    drain,
-    long_string_value,
-    queue_depth,
-    raw_properties,
-    raw_table,
-    wait_observations,
-)
+from tests.support.broker import BrokerNames, drain, queue_depth
+from tests.support.consumers import wait_observations
+from tests.support.frames import RawProducer, long_string_value, raw_properties, raw_table
 
 BODY = b'{"id": 0, "sku": "P-0"}'
 

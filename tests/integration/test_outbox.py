@@ -39,13 +39,10 @@ from lily_mongo._tasks import TaskSet
 from lily_mongo.envelope import validate_envelope
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.testing import Faults
-from tests.support import (
-    Broker,
-    MongoDB,
-    eventually,
-    outcomes,
-    running,
-)
+from tests.support.broker import Broker
+from tests.support.consumers import outcomes, running
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
 
 OUTBOX = "lily_outbox"
 EFFECTS = "effects"

@@ -15,7 +15,7 @@ import pytest
 from pymongo.results import UpdateResult
 
 from lily_mongo._outbox import protocol
-from tests.support import MongoDB
+from tests.support.mongo import MongoDB
 
 SECOND = datetime.timedelta(seconds=1)
 

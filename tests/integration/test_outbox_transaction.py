@@ -29,7 +29,8 @@ from lily_mongo import (
 from lily_mongo.envelope import validate_envelope
 from lily_mongo.testing import Faults
 from tests.integration.test_inbox import behind_a_cutter
-from tests.support import Broker, CommandLog, MongoDB, w1_client
+from tests.support.broker import Broker
+from tests.support.mongo import CommandLog, MongoDB, w1_client
 
 OUTBOX = "lily_outbox"
 ORDERS = "orders"

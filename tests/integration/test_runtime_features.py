@@ -43,14 +43,9 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo._topology import declare_topology
-from tests.support import (
-    Broker,
-    eventually,
-    new_tasks,
-    outcomes,
-    queue_exists,
-    running,
-)
+from tests.support.broker import Broker, queue_exists
+from tests.support.consumers import new_tasks, outcomes, running
+from tests.support.polling import eventually
 
 CallNext = Callable[[], Awaitable[None]]
 PARKED = RetryPolicy(max_retries=1, delays=(30,))  # a retry copy would stay in its bucket for the whole test

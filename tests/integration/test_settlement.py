@@ -35,7 +35,9 @@ from lily_mongo import (
     TerminalObservation,
     queue,
 )
-from tests.support import Broker, eventually, running, wait_observations
+from tests.support.broker import Broker
+from tests.support.consumers import running, wait_observations
+from tests.support.polling import eventually
 
 LONG_DELAY = 30.0  # long enough to inspect a retry copy in its bucket before the TTL sends it back
 

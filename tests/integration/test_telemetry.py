@@ -44,7 +44,10 @@ from lily_mongo import (
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.telemetry import Telemetry
 from lily_mongo.testing import Faults
-from tests.support import Broker, MongoDB, accepting, eventually, running, wait_observations
+from tests.support.broker import Broker
+from tests.support.consumers import accepting, running, wait_observations
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"

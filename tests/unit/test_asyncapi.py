@@ -27,7 +27,7 @@ from lily_mongo import Bytes, Consumer, Json, RetryPolicy, Text, queue
 from lily_mongo._plan.plan import Plan
 from lily_mongo.asyncapi import asyncapi_document
 from lily_mongo.publisher import BINARY, JSON, TEXT, prepare_publication
-from tests.support import resolve, version_and_content
+from tests.support.asyncapi import resolve, version_and_content
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1/"
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "data" / "asyncapi-3.0.0.schema.json"

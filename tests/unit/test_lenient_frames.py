@@ -26,7 +26,8 @@ from pamqp.heartbeat import Heartbeat
 
 from lily_mongo._amqp import MALFORMED_HEADER, AmqpMessage, LenientFrameReader, LilyProperties, patches
 from lily_mongo._amqp.patches import FastFrameReceiver, unbounded_frame_queue
-from tests.support import long_string_value, raw_properties, raw_table, same, short_bytes
+from tests.support.equality import same
+from tests.support.frames import long_string_value, raw_properties, raw_table, short_bytes
 from tests.versions import untested
 
 # aiormq's own receiver, as the module defined it (once the fast path is active the global
