@@ -552,7 +552,7 @@ async def test_inbox_stats_counts_completions_and_outbox_per_handler(
     async def on_audit(item: Json[Item], event_id: EventId, mongo: MongoScope) -> None:
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
 
-    queues = {"concurrency": 1, "prefetch": 4, "retry": RetryPolicy(max_retries=1, delays=(0.2,))}
+    queues: dict[str, Any] = {"concurrency": 1, "prefetch": 4, "retry": RetryPolicy(max_retries=1, delays=(0.2,))}
     consumer = broker.consumer(
         (q_orders, q_audit), on_order, on_audit, name="stats", mongodb=mongodb, graceful_timeout=10.0, **queues
     )

@@ -252,7 +252,7 @@ async def test_the_tables_are_readable_at_80_columns(env: dict[str, str], broker
     q = broker.queue("narrow")
     await broker.channel.declare_queue(f"{q}.dlq", durable=True)
     reason = "the payment gateway answered 503 three times in a row and the order could not be confirmed"
-    headers = {
+    headers: aio_pika.abc.HeadersType = {
         "x-lily-event-id": "0f8fad5b-d9cb-469f-a165-70867728950e",
         "x-lily-failure-code": "PAYMENT_DOWN",
         "x-lily-failure-reason": reason,

@@ -34,6 +34,7 @@ async def consume_one(channel: aio_pika.abc.AbstractChannel, name: str) -> aiorm
     try:
         return await asyncio.wait_for(got, 10)
     finally:
+        assert consuming.consumer_tag is not None
         await underlay.basic_cancel(consuming.consumer_tag)
 
 

@@ -65,7 +65,7 @@ def settled_copies(*managed: ManagedConsumer) -> int:
 
 def inbox_consumer(broker: Broker, mongodb: MongoDB, q: str, handler: Handler, **options: Any) -> Consumer:
     """A consumer of ``q`` with an inbox in ``mongodb`` (two permits, two quick retries unless ``options`` say)."""
-    defaults = {
+    defaults: dict[str, Any] = {
         "name": "inbox-test",
         "concurrency": 2,
         "prefetch": 8,

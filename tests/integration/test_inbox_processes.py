@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from pymongo.asynchronous.collection import AsyncCollection
+
 from lily_mongo import Consumer, EventId, InboxOptions, MongoScope, RetryPolicy, queue
 from tests.support.broker import Broker
 from tests.support.consumers import one_event, outcomes, running
@@ -38,7 +40,7 @@ def worker_args(broker: Broker, mongodb: MongoDB, q: str, handler_id: str, *, le
 
 
 async def replica_b_completes(
-    workers: Workers, args: list[str], records: Any, key: str
+    workers: Workers, args: list[str], records: AsyncCollection[Any], key: str
 ) -> tuple[Child, dict[str, Any]]:
     """Start replica B, wait until the record ``key`` is completed, stop B; return it and its last report."""
     b = await workers.start("replica-b", *args)
@@ -198,7 +200,7 @@ async def test_a_competing_copy_during_a_long_handler_never_applies_the_event_tw
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id), "by": "b"}, session=mongo.session)
 
     # prefetch 1: while A works, the broker gives the second copy to B.
-    settings = {"inbox": options, "concurrency": 1, "prefetch": 1, "max_deferrals": 50}
+    settings: dict[str, Any] = {"inbox": options, "concurrency": 1, "prefetch": 1, "max_deferrals": 50}
 
     def consumer(replica: MongoDB, name: str, handler: Callable[..., Awaitable[None]]) -> Consumer:
         retry = RetryPolicy(max_retries=1, delays=(0.2,))

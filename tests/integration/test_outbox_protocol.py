@@ -63,7 +63,7 @@ def states(*names: str) -> list[dict[str, Any]]:
 
 
 def close(a: Any, b: Any) -> bool:
-    return abs(a - b) < 2 * SECOND
+    return bool(abs(a - b) < 2 * SECOND)
 
 
 async def written(

@@ -432,7 +432,7 @@ async def test_quorum_topology_and_a_retry_then_success(broker: Broker) -> None:
         await eventually(lambda: outcomes(managed) == ["retried", "acked"], what="retry then success")
     assert seen == [0, 1]
     assert {o.event_id for o in managed.delivery_terminal_observations()} == {event}
-    expected = {
+    expected: dict[str, dict[str, Any]] = {
         q: {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": f"{q}.dlq"},
         f"{q}.retry.0": {"x-message-ttl": 200, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": q},
         f"{q}.dlq": {},

@@ -7,6 +7,7 @@
 - ``polling``: waiting, bounded, for a condition to hold.
 - ``frames``: AMQP frames written by hand, and a producer that sends them.
 - ``equality``: equality of the same types all the way down.
+- ``messages``: messages as the engine's preparing reads them, which no settlement may touch.
 - ``asyncapi``: reading AsyncAPI documents.
 - ``processes``: child processes a test starts, stops with a signal and never leaves running.
 - ``cli``: the ``lily-mongo`` command run as a child process, and in-process.

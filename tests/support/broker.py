@@ -91,6 +91,12 @@ async def drain(
     return out
 
 
+def headers_of(message: aio_pika.abc.AbstractMessage) -> dict[str, Any]:
+    """A message's headers as a test reads them: each value's type is the one the test asserts
+    (aio-pika types every value as the union of all AMQP field types)."""
+    return dict(message.headers)
+
+
 async def consumer_count(connection: aio_pika.abc.AbstractConnection, name: str) -> int | None:
     """Consumers attached to ``name`` (passive declare); None if the queue does not exist.
 

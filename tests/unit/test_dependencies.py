@@ -34,6 +34,7 @@ from lily_mongo._plan.options import QueueOptions
 from lily_mongo._plan.plan import Plan, PlanBuilder
 from lily_mongo._plan.routes import HandlerRoute, queue
 from lily_mongo._verdicts import Outcome, PipelineResult
+from tests.support.messages import Unsettled
 
 Handler = Callable[..., Awaitable[None]]
 QUEUE = "orders"
@@ -47,7 +48,7 @@ class Order(pydantic.BaseModel):
     order_id: str
 
 
-class Message:
+class Message(Unsettled):
     """What ``prepare`` reads of one delivery."""
 
     def __init__(self, body: bytes = b'{"order_id": "o1"}', headers: dict[str, Any] | None = None) -> None:
@@ -262,7 +263,8 @@ def test_each_depends_parameter_counts_once_toward_the_parameter_bound() -> None
         params = ", ".join(f"p{i}: Annotated[int, Depends(value)]" for i in range(count))
         namespace: dict[str, Any] = {}
         exec(f"async def handler({params}) -> None: ...", globals(), namespace)
-        return queue(QUEUE, version=1)(namespace["handler"])
+        handler: Handler = namespace["handler"]
+        return queue(QUEUE, version=1)(handler)
 
     route = route_of(make(PARAMETERS))
     assert (len(route.parameters), len(route.dependencies)) == (PARAMETERS, 1)

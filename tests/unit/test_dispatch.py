@@ -38,6 +38,7 @@ from lily_mongo._plan.options import QueueOptions
 from lily_mongo._plan.plan import Plan, PlanBuilder
 from lily_mongo._plan.routes import HandlerRoute, queue
 from lily_mongo._verdicts import Outcome, PipelineResult
+from tests.support.messages import Unsettled
 
 Handler = Callable[..., Awaitable[None]]
 
@@ -69,7 +70,7 @@ class Order(pydantic.BaseModel):
 
 
 @dataclass
-class Message:
+class Message(Unsettled):
     """What ``prepare`` reads of one delivery (the AMQP adapter's message, here a plain record)."""
 
     headers: dict[str, Any]

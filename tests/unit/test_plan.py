@@ -316,7 +316,7 @@ def test_descriptor_counts_parameter_names_and_trace() -> None:
 
 
 def _full_descriptors(count: int, last_short_by: int) -> Handler:
-    routes = [{"version": v, "handler_id": f"{v:04d}" + "h" * 998} for v in range(1, count + 1)]
+    routes: list[dict[str, Any]] = [{"version": v, "handler_id": f"{v:04d}" + "h" * 998} for v in range(1, count + 1)]
     routes[-1]["handler_id"] = routes[-1]["handler_id"][: 1002 - last_short_by]
     return routed(*routes)
 
