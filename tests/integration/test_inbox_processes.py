@@ -43,16 +43,14 @@ async def replica_b_completes(
     workers: Workers, args: list[str], records: AsyncCollection[Any], key: str
 ) -> tuple[Child, dict[str, Any]]:
     """Start replica B, wait until the record ``key`` is completed, stop B; return it and its last report."""
-    b = await workers.start("replica-b", *args)
 
     async def completed() -> bool:
         return await records.count_documents({"_id": key, "state": "completed"}) == 1
 
     # On MongoDB, A's open transaction holds the record until the server reaps it
     # (transactionLifetimeLimitSeconds, 60 s by default); B's claim waits for that.
-    await eventually(completed, what="replica B to complete the event", interval=0.05, timeout=90.0)
-    ended = await b.stop(timeout=10.0)
-    assert ended.returncode == 0, ended.describe()
+    what = "replica B to complete the event"
+    b = await workers.serve_until("replica-b", *args, done=completed, what=what, timeout=90.0, stop=10.0)
     return b, await workers.wait_for_record("replica-b", "observations")
 
 
@@ -300,10 +298,12 @@ async def test_the_deferral_count_continues_across_a_killed_consumer(
         await asyncio.sleep(0.5)  # whatever A had sent has landed
         counted_by_a = await deferrals()
         assert 2 <= counted_by_a < bound
-        b = await workers.start("replica-b", *common)
-        assert await broker.wait_for_depth(f"{q}.dlq", 1, timeout=40.0) == 1
-        ended = await b.stop(timeout=20.0)
-        assert ended.returncode == 0, ended.describe()
+
+        async def dead_lettered() -> bool:
+            return await broker.depth(f"{q}.dlq") == 1
+
+        what = "the event dead-lettered"
+        await workers.serve_until("replica-b", *common, done=dead_lettered, what=what, timeout=40.0, stop=20.0)
         final = await workers.wait_for_record("replica-b", "observations")
         assert cutter.cuts >= bound
 

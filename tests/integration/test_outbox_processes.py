@@ -19,7 +19,6 @@ from pathlib import Path
 from tests.integration.test_outbox import event_ids, outbox_record
 from tests.support.broker import Broker
 from tests.support.mongo import MongoDB
-from tests.support.polling import eventually
 from tests.support.processes import worker_processes
 
 WORKER = Path(__file__).resolve().parent / "workers" / "outbox_worker.py"
@@ -55,14 +54,11 @@ async def test_a_consumer_killed_between_commit_and_dispatch_loses_nothing(
         assert await mongodb.db["effects"].count_documents({"event_id": str(event)}) == 1
         assert await broker.depth(down) == 0
 
-        b = await workers.start("consumer-b", *consumer)
-
         async def published() -> bool:
             return await outbox.count_documents({"_id": record_id, "status": "published"}) == 1
 
-        await eventually(published, what="B's relay to publish A's record", interval=0.05, timeout=30.0)
-        ended = await b.stop(timeout=15.0)
-        assert ended.returncode == 0, ended.describe()
+        what = "B's relay to publish A's record"
+        await workers.serve_until("consumer-b", *consumer, done=published, what=what, timeout=30.0)
     [message] = await broker.drain(down)
     done = await outbox.find_one({"_id": record_id})
     assert done is not None
@@ -91,14 +87,10 @@ async def test_a_relay_killed_mid_batch_still_publishes_every_record_at_least_on
         assert {(r["status"], r["claim_owner"].split(":")[0]) for r in held} == {("pending", "relay-1")}
         assert await broker.wait_for_depth(down, 20) == 20
 
-        r2 = await workers.start("relay-2", *relay)
-
         async def all_published() -> bool:
             return await outbox.count_documents({"status": "published"}) == len(records)
 
-        await eventually(all_published, what="every record published", interval=0.05, timeout=30.0)
-        ended = await r2.stop(timeout=15.0)
-        assert ended.returncode == 0, ended.describe()
+        await workers.serve_until("relay-2", *relay, done=all_published, what="every record published", timeout=30.0)
     arrived = collections.Counter(event_ids(await broker.drain(down)))
     by_id = {r["_id"]: r["event_id"] for r in records}
     assert set(arrived) == set(by_id.values())  # every record at least once

@@ -15,10 +15,12 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from tests.support.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -196,6 +198,22 @@ class Workers:
         self.children[name] = await self._stack.enter_async_context(started(argv, env=env, files=self.directory / name))
         await self.wait_for_record(name, "ready", timeout=20.0)
         return self.children[name]
+
+    async def serve_until(
+        self, name: str, *args: str, done: Callable[[], Awaitable[bool]], what: str, timeout: float, stop: float = 15.0
+    ) -> Child:
+        """Start worker ``name``, wait up to ``timeout`` s until ``done`` holds (it must keep running
+        meanwhile), then stop it with SIGTERM: it must exit 0 within ``stop`` s."""
+        child = await self.start(name, *args)
+
+        async def held() -> bool:
+            await child.check_running()
+            return await done()
+
+        await eventually(held, what=what, timeout=timeout, interval=0.05)
+        ended = await child.stop(timeout=stop)
+        assert ended.returncode == 0, ended.describe()
+        return child
 
     def records(self, name: str) -> list[dict[str, Any]]:
         """The complete JSON lines worker ``name`` wrote so far."""
