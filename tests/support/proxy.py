@@ -1,12 +1,14 @@
-"""A TCP proxy in front of the test's MongoDB server that cuts connections: a real network error."""
+"""TCP proxies in front of the test's MongoDB server that cut connections: real network errors."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Self
+from collections.abc import AsyncIterator
+from typing import Any, Self
 
 import pytest
+from pymongo import AsyncMongoClient
 from pymongo.uri_parser import parse_uri
 
 from tests.support.mongo import MongoDB
@@ -68,3 +70,60 @@ class CuttingProxy:
         for writer in (client_writer, server_writer):
             writer.transport.abort()
             self._writers.discard(writer)
+
+
+class CommitCutter(CuttingProxy):
+    """A proxy in front of the MongoDB server that drops connections around ``commitTransaction``.
+
+    ``cut_requests``: drop the connection instead of forwarding the next N commits (the
+    commit never reaches the server). ``cut_replies``: forward the next N commits, then
+    drop the connection instead of forwarding the reply (the commit applied, the client
+    cannot know). Both are real network errors: the driver labels them
+    ``UnknownTransactionCommitResult``.
+    """
+
+    MARK = b"commitTransaction\x00"
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(host, port)
+        self.cut_requests = 0
+        self.cut_replies = 0
+
+    async def relay(self, client: Streams, server: Streams) -> None:
+        (client_reader, client_writer), (server_reader, server_writer) = client, server
+        reply_doomed = False
+
+        async def upstream() -> None:
+            nonlocal reply_doomed
+            while data := await client_reader.read(65536):
+                if self.MARK in data:
+                    if self.cut_requests > 0:
+                        self.cut_requests -= 1
+                        self.cut(client_writer, server_writer)
+                        return
+                    if self.cut_replies > 0:
+                        self.cut_replies -= 1
+                        reply_doomed = True
+                server_writer.write(data)
+                await server_writer.drain()
+
+        async def downstream() -> None:
+            while data := await server_reader.read(65536):
+                if reply_doomed:
+                    self.cut(client_writer, server_writer)
+                    return
+                client_writer.write(data)
+                await client_writer.drain()
+
+        await asyncio.gather(upstream(), downstream())
+
+
+@contextlib.asynccontextmanager
+async def behind_a_cutter(mongodb: MongoDB) -> AsyncIterator[tuple[CommitCutter, MongoDB]]:
+    """A :class:`CommitCutter` in front of the test's server, and the test's database through it."""
+    async with CommitCutter.fronting(mongodb) as cutter:
+        client: AsyncMongoClient[Any] = AsyncMongoClient(cutter.uri, serverSelectionTimeoutMS=10_000)
+        try:
+            yield cutter, MongoDB(cutter.uri, client, mongodb.name)
+        finally:
+            await client.close()
