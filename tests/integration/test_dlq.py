@@ -11,7 +11,8 @@ import pydantic
 
 from lily_mongo.dlq import list_dead_letters, replay_dead_letters
 from tests.support.broker import Broker, wait_for_depth
-from tests.support.consumers import NO_RETRIES, outcomes, rejecting, running
+from tests.support.consumers import NO_RETRIES, outcomes, running
+from tests.support.handlers import rejecting
 from tests.support.polling import eventually
 
 

@@ -34,7 +34,8 @@ from lily_mongo import (
     queue,
 )
 from tests.support.broker import Broker, consumer_count, queue_exists
-from tests.support.consumers import accepting, new_tasks
+from tests.support.consumers import new_tasks
+from tests.support.handlers import accepting
 from tests.support.mongo import MongoDB
 from tests.support.polling import eventually
 from tests.support.processes import run

@@ -45,7 +45,8 @@ from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.telemetry import Telemetry
 from lily_mongo.testing import Faults
 from tests.support.broker import Broker, headers_of
-from tests.support.consumers import accepting, running, wait_observations
+from tests.support.consumers import running, wait_observations
+from tests.support.handlers import accepting
 from tests.support.mongo import MongoDB
 from tests.support.polling import eventually
 

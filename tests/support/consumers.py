@@ -1,22 +1,14 @@
-"""Consumers in a test: run for a block and shut down, the handlers every tier uses, what ended."""
+"""Consumers in a test: run for a block and shut down, what ended, the tasks they leave, one event for them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
-from lily_mongo import (
-    Consumer,
-    Json,
-    ManagedConsumer,
-    QueueHandlerError,
-    RetryPolicy,
-    TerminalObservation,
-    queue,
-)
+from lily_mongo import Consumer, ManagedConsumer, RetryPolicy, TerminalObservation
 from tests.support.broker import Broker
 from tests.support.polling import eventually
 
@@ -66,29 +58,6 @@ def new_tasks(before: set[asyncio.Task[Any]]) -> set[asyncio.Task[Any]]:
     """Unfinished tasks started since ``before`` was taken (``asyncio.all_tasks()``), except the current one."""
     current = asyncio.current_task()
     return {t for t in asyncio.all_tasks() - before if t is not current and not t.done()}
-
-
-# -- handlers ---------------------------------------------------------------------------------------
-
-
-def accepting(q: str) -> Callable[..., Awaitable[None]]:
-    """A json v1 handler on ``q`` that accepts every delivery and does nothing."""
-
-    @queue(q, version=1, content="json")
-    async def accept(body: Json[dict[str, Any]]) -> None:
-        return None
-
-    return accept
-
-
-def rejecting(q: str) -> Callable[..., Awaitable[None]]:
-    """A json v1 handler on ``q`` that refuses every delivery it decodes, permanently (``ITEM_REJECTED``)."""
-
-    @queue(q, version=1, content="json")
-    async def reject(body: Json[dict[str, Any]]) -> None:
-        raise QueueHandlerError.permanent("ITEM_REJECTED", "refused by the handler")
-
-    return reject
 
 
 class OneEvent(NamedTuple):

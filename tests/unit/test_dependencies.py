@@ -427,29 +427,25 @@ async def test_cleanups_run_on_failure_see_it_and_the_verdict_keeps_the_exceptio
     assert events == ["open connection", f"connection saw {type(error).__name__}", "close connection"]
 
 
+def handler_failure(result: PipelineResult) -> str:
+    """The reason of an attempt that failed as a handler does (retryable, ``QUEUE_HANDLER_FAILED``)."""
+    assert (result.outcome, result.code) == (Outcome.RETRYABLE, HANDLER_FAILED), result
+    return result.reason
+
+
 async def test_a_cleanup_cannot_swallow_the_failure() -> None:
     @queue(QUEUE, version=1)
     async def handler(f: Annotated[None, Depends(forgiving)]) -> None:
         raise RuntimeError("still a failure")
 
-    result = await attempt(handler)
-    assert (result.outcome, result.code, result.reason) == (
-        Outcome.RETRYABLE,
-        HANDLER_FAILED,
-        "RuntimeError: still a failure",
-    )
+    assert handler_failure(await attempt(handler)) == "RuntimeError: still a failure"
 
 
 async def test_a_failing_cleanup_fails_the_attempt() -> None:
     @queue(QUEUE, version=1)
     async def handler(f: Annotated[None, Depends(leaky)]) -> None: ...
 
-    result = await attempt(handler)
-    assert (result.outcome, result.code, result.reason) == (
-        Outcome.RETRYABLE,
-        HANDLER_FAILED,
-        "OSError: could not close",
-    )
+    assert handler_failure(await attempt(handler)) == "OSError: could not close"
 
 
 async def test_a_replayed_error_passes_through_after_the_cleanups_ran() -> None:
