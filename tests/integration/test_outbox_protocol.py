@@ -16,6 +16,7 @@ from pymongo.results import UpdateResult
 
 from lily_mongo._outbox import protocol
 from tests.support.mongo import MongoDB
+from tests.support.outbox import written_record
 
 SECOND = datetime.timedelta(seconds=1)
 
@@ -31,19 +32,7 @@ def aware(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def record(record_id: str, **fields: Any) -> dict[str, Any]:
-    base = protocol.new_record(
-        record_id=record_id,
-        event_id=record_id,
-        exchange="",
-        routing_key="down",
-        body=b"{}",
-        headers={"x-lily-event-id": record_id},
-        content_type="application/json",
-        writer="w",
-        written_at=now() - SECOND,
-        seq=0,
-        claim=None,
-    )
+    base = written_record(record_id, written_at=now() - SECOND)
     base.update(fields)
     return base
 
