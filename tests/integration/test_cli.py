@@ -49,15 +49,14 @@ from lily_mongo.testing import Faults
 from tests.support.asyncapi import resolve, version_and_content
 from tests.support.broker import Broker, consumer_count, wait_for_depth
 from tests.support.cli import (
+    EventLog,
     cli_env,
     cli_process,
-    log_lines,
     logging_restored,
     one_error_line,
     run_cli,
     run_error_line,
     wait_for_consumers,
-    wait_for_line,
     write_service,
 )
 from tests.support.consumers import outcomes, running
@@ -78,7 +77,7 @@ class Service:
 
     q: str
     process: Child
-    log: Path
+    log: EventLog
 
 
 RunningService = Callable[..., contextlib.AbstractAsyncContextManager[Service]]
@@ -91,8 +90,8 @@ def running_service(env: dict[str, str], broker: Broker, tmp_path: Path) -> Runn
 
     @contextlib.asynccontextmanager
     async def run(base: str, *, force_timeout: float = 5.0) -> AsyncIterator[Service]:
-        q, log = broker.queue(base), tmp_path / "events.log"
-        write_service(tmp_path, q, log, force_timeout=force_timeout)
+        q = broker.queue(base)
+        log = write_service(tmp_path, q, force_timeout=force_timeout)
         async with cli_process("run", "svcmod:consumer", env=env, cwd=tmp_path) as process:
             await wait_for_consumers(broker.connection, q, process)
             yield Service(q, process, log)
@@ -103,7 +102,7 @@ def running_service(env: dict[str, str], broker: Broker, tmp_path: Path) -> Runn
 async def force_during(service: Service, event: uuid.UUID) -> Completed:
     """Once the service's handler runs ``event``: SIGINT, and a second one 1.5 s later that forces (a
     second signal within a second of the first is part of its burst); the command's result."""
-    await wait_for_line(service.log, f"start {event}")
+    await service.log.wait_for(f"start {event}")
     service.process.send_signal(signal.SIGINT)
     await asyncio.sleep(1.5)
     return await service.process.stop(timeout=20, number=signal.SIGINT)
@@ -122,12 +121,12 @@ async def test_run_consumes_and_sigterm_shuts_down_gracefully(broker: Broker, ru
     async with running_service("run") as service:
         q, process, log = service.q, service.process, service.log
         event = await broker.publish(q, {"n": 1})
-        await wait_for_line(log, f"done {event}")
+        await log.wait_for(f"done {event}")
         result = await process.stop(timeout=20)
     assert result.returncode == 0, result.describe()
     assert "shutdown succeeded" in result.stdout, result.describe()
     assert "(forced)" not in result.stdout
-    assert log_lines(log) == [f"start {event}", f"done {event}"]
+    assert log.lines() == [f"start {event}", f"done {event}"]
     # The delivery was ACKed: nothing back in the queue, nothing dead-lettered, no consumer left.
     assert await broker.wait_for_depth(q, 0) == 0
     assert await broker.depth(f"{q}.dlq") == 0
@@ -142,8 +141,8 @@ async def test_run_second_signal_forces_and_requeues_the_running_delivery(
         event = await broker.publish(q, {"sleep": 60})
         result = await force_during(service, event)
     assert result.stdout.startswith("shutdown FORCED; unresolved deliveries: 0"), result.describe()
-    assert f"cancelled {event}" in log_lines(log)
-    assert f"done {event}" not in log_lines(log)
+    assert f"cancelled {event}" in log.lines()
+    assert f"done {event}" not in log.lines()
     # A forced shutdown is not an application failure: the copy is back in Q with its retry count untouched.
     assert await broker.wait_for_depth(q, 1) == 1, result.describe()
     assert await broker.depth(f"{q}.dlq") == 0

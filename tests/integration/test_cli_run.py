@@ -29,12 +29,10 @@ from tests.support.broker import Broker
 from tests.support.cli import (
     cli_env,
     cli_process,
-    log_lines,
     one_error_line,
     run_cli,
     run_error_line,
     wait_for_consumers,
-    wait_for_line,
     write_service,
 )
 from tests.support.mongo import MongoDB
@@ -63,12 +61,12 @@ def uv_run(*args: str, env: dict[str, str], cwd: Path) -> contextlib.AbstractAsy
 async def test_ctrl_c_under_uv_run_drains_gracefully_and_a_second_one_forces(
     env: dict[str, str], broker: Broker, tmp_path: Path, signals: int
 ) -> None:
-    q, log = broker.queue("uvrun"), tmp_path / "events.log"
-    write_service(tmp_path, q, log)
+    q = broker.queue("uvrun")
+    log = write_service(tmp_path, q)
     async with uv_run("run", "svcmod:consumer", env=env, cwd=tmp_path) as process:
         await wait_for_consumers(broker.connection, q, process, timeout=60)
         event = await broker.publish(q, {"sleep": 3 if signals == 1 else 60})
-        await wait_for_line(log, f"start {event}")
+        await log.wait_for(f"start {event}")
         # What a terminal's Ctrl-C does: SIGINT to the whole foreground group, uv's.
         if signals == 2:
             process.send_signal(signal.SIGINT)
@@ -77,7 +75,7 @@ async def test_ctrl_c_under_uv_run_drains_gracefully_and_a_second_one_forces(
     if signals == 1:
         assert result.returncode == 0, result.describe()
         assert result.stdout.startswith("shutdown succeeded; unresolved deliveries: 0"), result.describe()
-        assert log_lines(log) == [f"start {event}", f"done {event}"]  # drained: the handler finished
+        assert log.lines() == [f"start {event}", f"done {event}"]  # drained: the handler finished
         assert await broker.wait_for_depth(q, 0) == 0
         assert "shutting down gracefully (up to 20 s); press Ctrl-C again to force" in result.stderr
     else:
@@ -86,7 +84,7 @@ async def test_ctrl_c_under_uv_run_drains_gracefully_and_a_second_one_forces(
         assert result.returncode in (1, 130), result.describe()
         assert result.stdout.startswith("shutdown FORCED; unresolved deliveries: 0"), result.describe()
         assert "succeeded" not in result.stdout
-        assert f"cancelled {event}" in log_lines(log)
+        assert f"cancelled {event}" in log.lines()
         assert await broker.wait_for_depth(q, 1) == 1  # requeued by the force, not lost
         assert "received again: forcing the shutdown" in result.stderr
 
@@ -226,7 +224,7 @@ async def test_inbox_stats_of_a_database_without_lily_collections_exits_2(
 
 
 async def test_the_http_port_error_names_the_reason(env: dict[str, str], broker: Broker, tmp_path: Path) -> None:
-    write_service(tmp_path, broker.queue("bind"), tmp_path / "events.log")
+    write_service(tmp_path, broker.queue("bind"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

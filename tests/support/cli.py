@@ -14,6 +14,7 @@ import shutil
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import aio_pika.abc
@@ -110,12 +111,32 @@ def logging_restored() -> Iterator[None]:
 # -- a service module for `run` -------------------------------------------------------------------
 
 
-def write_service(directory: Path, q: str, log: Path, *, force_timeout: float = 5.0) -> None:
-    """``svcmod.consumer``: one at_least_once handler on ``q`` that logs start/done and may sleep.
+@dataclass(frozen=True)
+class EventLog:
+    """The log the handler of :func:`write_service` writes: ``start <event id>``, then ``done <event id>``
+    or ``cancelled <event id>``."""
+
+    path: Path
+
+    def lines(self) -> list[str]:
+        """Its lines so far (none before it exists)."""
+        return self.path.read_text().splitlines() if self.path.exists() else []
+
+    async def wait_for(self, line: str, timeout: float = 15.0) -> None:
+        async def present() -> bool:
+            return line in self.lines()
+
+        await eventually(present, timeout=timeout, what=f"{line!r} in {self.path.name}", interval=0.05)
+
+
+def write_service(directory: Path, q: str, *, force_timeout: float = 5.0) -> EventLog:
+    """``svcmod.consumer`` in ``directory``: one at_least_once handler on ``q`` that logs start/done
+    (to the log it returns) and may sleep.
 
     The payload's ``sleep`` makes the handler slow; ``stubborn`` makes it ignore the first
     cancellation for 3 s (an uncooperative handler).
     """
+    log = EventLog(directory / "events.log")
     source = f"""
         from __future__ import annotations
 
@@ -126,7 +147,7 @@ def write_service(directory: Path, q: str, log: Path, *, force_timeout: float = 
         from lily_mongo import Consumer, EventId, Json, RetryPolicy, queue
 
         QUEUE = {q!r}
-        LOG = pathlib.Path({str(log)!r})
+        LOG = pathlib.Path({str(log.path)!r})
 
 
         def record(line: str) -> None:
@@ -154,15 +175,4 @@ def write_service(directory: Path, q: str, log: Path, *, force_timeout: float = 
         consumer.include(handle)
     """
     (directory / "svcmod.py").write_text(textwrap.dedent(source))
-
-
-def log_lines(path: Path) -> list[str]:
-    """The lines of a service's log (none before it exists)."""
-    return path.read_text().splitlines() if path.exists() else []
-
-
-async def wait_for_line(path: Path, line: str, timeout: float = 15.0) -> None:
-    async def present() -> bool:
-        return line in log_lines(path)
-
-    await eventually(present, timeout=timeout, what=f"{line!r} in {path.name}", interval=0.05)
+    return log
