@@ -35,6 +35,7 @@ from tests.support.broker import Broker
 from tests.support.cli import cli_env, cli_process, wait_for_consumers
 from tests.support.mongo import MongoDB
 from tests.support.polling import eventually
+from tests.support.resources import Events, per_attempt
 
 NO_BROKER = "amqp://guest:guest@127.0.0.1:1/"
 BURST = 200
@@ -118,20 +119,10 @@ async def test_run_honours_the_lifespan_shows_the_handlers_traceback_and_counts_
 
 # -- dependencies per attempt, with the inbox --------------------------------------------------------
 
-Events = Annotated[list[str], Resource("events")]
-
-
-async def session_counter(events: Events) -> AsyncIterator[str]:
-    events.append("set up")
-    try:
-        yield "tenant-1"
-    finally:
-        events.append("clean up")
-
 
 @queue("notes", version=1, handler_id="notes.v1")
 async def save_note(
-    note: Json[dict[str, Any]], tenant: Annotated[str, Depends(session_counter)], mongo: MongoScope
+    note: Json[dict[str, Any]], tenant: Annotated[str, Depends(per_attempt)], mongo: MongoScope
 ) -> None:
     await mongo.database["notes"].insert_one({"tenant": tenant, "text": note["text"]}, session=mongo.session)
     if note.get("fail"):
