@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,18 +54,19 @@ def apply(variant: str) -> None:
     """Set the child's patches to ``variant`` before it connects."""
     import lily_mongo._engine.intake as intake
 
+    # The module globals the lookups read (neither name is exported).
     if variant in ("stock", "queue"):
-        real = patches.installed_version
-        patches.installed_version = lambda name: "999.0" if name == "aiormq" else real(name)  # type: ignore[assignment]
+        real: Callable[[str], str | None] = vars(patches)["installed_version"]
+        vars(patches)["installed_version"] = lambda name: "999.0" if name == "aiormq" else real(name)
         patches.active.cache_clear()
     if variant == "receiver":
-        intake.unbounded_frame_queue = lambda channel: None  # type: ignore[assignment]
+        vars(intake)["unbounded_frame_queue"] = lambda channel: None
     if variant == "queue":
 
         def lift(channel: Any) -> None:
             channel.frames._maxsize = 0
 
-        intake.unbounded_frame_queue = lift  # type: ignore[assignment]
+        vars(intake)["unbounded_frame_queue"] = lift
 
 
 def spread(values: list[float], fmt: str) -> str:

@@ -601,7 +601,7 @@ async def run_child(
             if signal.get("phase") != "first_done":
                 raise SystemExit(f"unexpected message from a child: {signal}")
             await publish(args.amqp_url, options.name, rng.sample(messages, duplicates))
-            figures = (await read_line(process, deadline))["result"]
+            figures: dict[str, Any] = (await read_line(process, deadline))["result"]
             status = await asyncio.wait_for(process.wait(), timeout=max(deadline - time.monotonic(), 1))
         except BaseException:
             if process.returncode is None:

@@ -73,9 +73,8 @@ from pymongo import AsyncMongoClient, monitoring
 from pymongo.write_concern import WriteConcern
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_inbox import (
+from benchmarks.bench_inbox import (
     _UUID,
     BUSINESS,
     DEFAULT_AMQP_URL,
@@ -87,7 +86,6 @@ from bench_inbox import (
     hand_record,
     read_line,
 )
-
 from lily_mongo import (
     Consumer,
     EventId,
@@ -298,7 +296,7 @@ async def child_hand(config: dict[str, Any], commands: Commands) -> dict[str, An
                 event_id = str(message.headers[EVENT_ID_HEADER])
                 order = Order.model_validate_json(message.body)
                 body = orjson.dumps(outgoing(event_id, order))
-                headers = {
+                headers: aio_pika.abc.HeadersType = {
                     EVENT_ID_HEADER: str(uuid.uuid4()),
                     "x-lily-schema-version": "1",
                     "x-lily-content-kind": "json",

@@ -174,7 +174,7 @@ class Probe:
             sent = ack(channel, delivery_tag, multiple=multiple, wait=wait)
             return sent if not before < probe.expected <= probe.acked else probe._last(sent)
 
-        aiormq.Channel._on_deliver_frame = on_deliver_frame  # type: ignore[method-assign]
+        aiormq.Channel._on_deliver_frame = on_deliver_frame  # type: ignore[method-assign, assignment]
         aiormq.Channel.basic_ack = basic_ack  # type: ignore[method-assign, assignment]
 
     def settles(self, channel: aiormq.Channel, tag: int, multiple: bool) -> int:

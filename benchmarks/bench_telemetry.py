@@ -44,13 +44,12 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.trace import NoOpTracerProvider
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_throughput import sdk_providers, sdk_telemetry
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.trace import SpanKind
 
+from benchmarks.bench_throughput import sdk_providers, sdk_telemetry
 from lily_mongo import Consumer, Json, RetryPolicy, queue
 from lily_mongo._engine.engine import Engine
 from lily_mongo._observer import NO_OBSERVER

@@ -5,7 +5,7 @@ servers (for instance compose.yaml's replica set); by default it starts the
 embedded MongoDB-wire server and uses the local RabbitMQ.
 
 An integration test usually takes ``broker`` (the RabbitMQ: unique queue names,
-consumers, publishing, queue depths; see ``tests.support.Broker``) and, with an
+consumers, publishing, queue depths; see ``tests.support.broker.Broker``) and, with an
 inbox, ``mongodb`` (client and a fresh database). ``failpoints`` is the
 package's own ``lily_mongo.testing.Faults``, off again after the test;
 ``raw_producer`` sends frames no Python client library would write.
@@ -22,7 +22,9 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from lily_mongo.testing import Faults
-from tests.support import Broker, BrokerNames, MongoDB, RawProducer, amqp_url
+from tests.support.broker import Broker, BrokerNames, amqp_url
+from tests.support.frames import RawProducer
+from tests.support.mongo import MongoDB
 
 # The MongoDB fixtures are the package's own pytest plugin's (lily_mongo.pytest_plugin),
 # under the names these tests use.
@@ -86,7 +88,7 @@ async def names(amqp_connection: aio_pika.abc.AbstractConnection) -> AsyncIterat
 
 @pytest.fixture
 async def raw_producer(amqp: str) -> AsyncIterator[RawProducer]:
-    """A producer writing AMQP frames by hand (``tests.support.RawProducer``), closed after the test."""
+    """A producer writing AMQP frames by hand (``tests.support.frames.RawProducer``), closed after the test."""
     async with await RawProducer.open(amqp) as producer:
         yield producer
 

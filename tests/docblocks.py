@@ -138,7 +138,10 @@ def is_test_page(page_blocks: list[Block]) -> bool:
 def compile_block(block: Block, code: str | None = None) -> types.CodeType:
     """The block compiled so that tracebacks show the page and its own line numbers."""
     source = "\n" * (block.line - 1) + (block.code if code is None else code)
-    return compile(source, block.page, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+    code_object: types.CodeType = compile(
+        source, block.page, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True
+    )
+    return code_object
 
 
 def module_source(page_blocks: list[Block], amqp_url: str, mongo_uri: str) -> str:

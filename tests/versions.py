@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -14,8 +14,12 @@ from lily_mongo._amqp import patches
 def untested(monkeypatch: pytest.MonkeyPatch, distribution: str, version: str = "8.0.0") -> Iterator[None]:
     """The version lookup reports ``distribution`` at ``version``; the frame path is chosen again
     inside the block and once more after it."""
-    real = patches.installed_version
-    monkeypatch.setattr(patches, "installed_version", lambda name: version if name == distribution else real(name))
+    real: Callable[[str], str | None] = vars(patches)["installed_version"]  # the lookup patches makes now
+
+    def reported(name: str) -> str | None:
+        return version if name == distribution else real(name)
+
+    monkeypatch.setattr(patches, "installed_version", reported)
     patches.active.cache_clear()
     try:
         yield

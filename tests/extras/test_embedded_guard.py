@@ -11,6 +11,7 @@ import logging
 import pytest
 
 from lily_mongo import embedded
+from lily_mongo._versions import installed_version
 
 handlers = pytest.importorskip("mongoeco.wire._executor_handlers")
 Handlers = handlers.WireSpecialCommandHandlers
@@ -25,7 +26,7 @@ def shipped(monkeypatch: pytest.MonkeyPatch) -> object:
 
 
 def test_on_the_tested_mongoeco_commits_consult_the_failpoints(shipped: object) -> None:
-    assert embedded.TESTED_MONGOECO.covers(embedded.installed_version("mongoeco"))
+    assert embedded.TESTED_MONGOECO.covers(installed_version("mongoeco"))
     assert embedded._patch_commit_failpoints() is True
     patched = Handlers.__dict__["_handle_commit_transaction"]
     assert patched is not shipped

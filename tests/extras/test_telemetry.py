@@ -323,10 +323,13 @@ def test_an_outbox_publish_records_its_lag_by_path_from_the_commit_or_the_creati
     async def send(headers: dict[str, Any]) -> None:
         sent.append(headers)
 
+    async def publish(record: dict[str, Any], via: str) -> None:
+        await telemetry.relay_publish(send, record, via=via)
+
     dispatched = {**record, "created_at": now - datetime.timedelta(seconds=60), "committed_at": now}
-    asyncio.run(telemetry.relay_publish(send, dispatched, via="dispatch"))
+    asyncio.run(publish(dispatched, "dispatch"))
     relayed = {**record, "created_at": now - datetime.timedelta(seconds=2)}
-    asyncio.run(telemetry.relay_publish(send, relayed, via="relay"))
+    asyncio.run(publish(relayed, "relay"))
     assert len(sent) == 2
     [series] = [h for h in telemetry.histograms() if h.name == "lily_outbox_relay_lag_seconds"]
     by_path = {dict(data.labels)["path"]: data for data in series.data()}

@@ -22,16 +22,10 @@ import jsonschema
 import pydantic
 
 from lily_mongo.asyncapi import asyncapi_document
-from tests.support import (
-    NO_RETRIES,
-    Broker,
-    RawProducer,
-    long_string_value,
-    raw_properties,
-    raw_table,
-    rejecting,
-    wait_observations,
-)
+from tests.support.broker import Broker
+from tests.support.consumers import NO_RETRIES, wait_observations
+from tests.support.frames import RawProducer, long_string_value, raw_properties, raw_table
+from tests.support.handlers import rejecting
 
 
 class Item(pydantic.BaseModel):

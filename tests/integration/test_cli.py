@@ -15,10 +15,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import os
-import shutil
 import signal
-import sys
 import textwrap
 import urllib.parse
 import uuid
@@ -49,18 +46,23 @@ from lily_mongo import (
 )
 from lily_mongo._cli.app import app as cli_app
 from lily_mongo.testing import Faults
-from tests.support import (
-    Broker,
-    MongoDB,
-    consumer_count,
-    eventually,
+from tests.support.asyncapi import resolve, version_and_content
+from tests.support.broker import Broker, consumer_count, wait_for_depth
+from tests.support.cli import (
+    EventLog,
+    cli_env,
+    cli_process,
     logging_restored,
-    outcomes,
-    resolve,
-    running,
-    version_and_content,
-    wait_for_depth,
+    one_error_line,
+    run_cli,
+    run_error_line,
+    wait_for_consumers,
+    write_service,
 )
+from tests.support.consumers import outcomes, running
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
+from tests.support.processes import Child, Completed
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "data" / "asyncapi-3.0.0.schema.json"
 ENVELOPE = ("x-lily-event-id", "x-lily-schema-version", "x-lily-content-kind")
@@ -69,190 +71,13 @@ COMPLETIONS = "lily_inbox"
 CLOSED_PORT_AMQP_URL = "amqp://guest:guest@127.0.0.1:1/"
 
 
-# -- running the command --------------------------------------------------------------------------
-
-
-def cli_argv(*args: str) -> list[str]:
-    """The installed ``lily-mongo`` script next to this interpreter, else ``main()`` through ``-c``."""
-    script = shutil.which("lily-mongo", path=os.path.dirname(sys.executable))
-    if script is not None:
-        return [script, *args]
-    return [sys.executable, "-c", "from lily_mongo._cli.app import main; main()", *args]
-
-
-def cli_env(amqp_url: str, mongo_uri: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        LILY_AMQP_URL=amqp_url,
-        LILY_MONGO_URI=mongo_uri,
-        COLUMNS="200",  # rich wraps at the terminal width; keep report and table lines whole
-        NO_COLOR="1",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
-
-
-@dataclasses.dataclass(frozen=True)
-class Completed:
-    argv: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
-
-    def describe(self) -> str:
-        return f"{self.argv[1:]} exited {self.returncode}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
-
-
-async def start_cli(*args: str, env: dict[str, str], cwd: Path | None = None) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        *cli_argv(*args),
-        env=env,
-        cwd=cwd,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-
-
-async def finish(process: asyncio.subprocess.Process, argv: list[str], timeout: float) -> Completed:
-    """Collect output and exit status; kill the process if it outlives ``timeout``."""
-    try:
-        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout)
-    except TimeoutError:
-        process.kill()
-        stdout, stderr = await process.communicate()
-        raise AssertionError(
-            f"{argv[1:]} did not exit within {timeout} s\nstdout:\n{stdout.decode()}\nstderr:\n{stderr.decode()}"
-        ) from None
-    assert process.returncode is not None
-    return Completed(argv, process.returncode, stdout.decode(), stderr.decode())
-
-
-async def run_cli(*args: str, env: dict[str, str], cwd: Path | None = None, timeout: float = 30.0) -> Completed:
-    process = await start_cli(*args, env=env, cwd=cwd)
-    return await finish(process, cli_argv(*args), timeout)
-
-
-def one_error_line(result: Completed) -> str:
-    """The command's error: exactly one line on stderr, starting with ``error:``, and no traceback anywhere."""
-    assert "Traceback" not in result.stderr + result.stdout, result.describe()
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.describe()
-    assert lines[0].startswith("error: "), result.describe()
-    return lines[0]
-
-
-def run_error_line(result: Completed) -> str:
-    """``run``'s error: after its banner (``starting ...``), exactly one ``error:`` line, the last, no traceback."""
-    assert "Traceback" not in result.stderr + result.stdout, result.describe()
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 2, result.describe()
-    assert lines[0].startswith("starting "), result.describe()
-    assert lines[1].startswith("error: "), result.describe()
-    return lines[-1]
-
-
-async def reap(process: asyncio.subprocess.Process) -> None:
-    """Kill the process if it still runs and collect it, its output read to the end (no one else may read it)."""
-    if process.returncode is None:
-        process.kill()
-        await process.communicate()
-
-
-@contextlib.asynccontextmanager
-async def cli_process(
-    *args: str, env: dict[str, str], cwd: Path | None = None
-) -> AsyncIterator[asyncio.subprocess.Process]:
-    """A long-running command; killed and reaped if the test leaves it running."""
-    process = await start_cli(*args, env=env, cwd=cwd)
-    try:
-        yield process
-    finally:
-        await reap(process)
-
-
-# -- broker and database helpers ------------------------------------------------------------------
-
-
-async def wait_for_consumer(
-    connection: aio_pika.abc.AbstractConnection, name: str, process: asyncio.subprocess.Process, timeout: float = 20.0
-) -> None:
-    async def attached() -> bool:
-        if process.returncode is not None:
-            stdout, stderr = await process.communicate()
-            raise AssertionError(f"the command exited {process.returncode}:\n{stdout.decode()}\n{stderr.decode()}")
-        return await consumer_count(connection, name) == 1
-
-    await eventually(attached, timeout=timeout, what=f"one consumer on {name}", interval=0.05)
-
-
-def log_lines(path: Path) -> list[str]:
-    return path.read_text().splitlines() if path.exists() else []
-
-
-async def wait_for_line(path: Path, line: str, timeout: float = 15.0) -> None:
-    async def present() -> bool:
-        return line in log_lines(path)
-
-    await eventually(present, timeout=timeout, what=f"{line!r} in {path.name}", interval=0.05)
-
-
-# -- a service module for `run` -------------------------------------------------------------------
-
-
-def write_service(directory: Path, q: str, log: Path, *, force_timeout: float = 5.0) -> None:
-    """``svcmod.consumer``: one at_least_once handler on ``q`` that logs start/done and may sleep.
-
-    The payload's ``sleep`` makes the handler slow; ``stubborn`` makes it ignore the first
-    cancellation for 3 s (an uncooperative handler).
-    """
-    source = f"""
-        from __future__ import annotations
-
-        import asyncio
-        import os
-        import pathlib
-
-        from lily_mongo import Consumer, EventId, Json, RetryPolicy, queue
-
-        QUEUE = {q!r}
-        LOG = pathlib.Path({str(log)!r})
-
-
-        def record(line: str) -> None:
-            with LOG.open("a") as handle:
-                handle.write(line + "\\n")
-
-
-        @queue(QUEUE, version=1, content="json", guarantee="at_least_once")
-        async def handle(payload: Json[dict[str, object]], event_id: EventId) -> None:
-            record(f"start {{event_id}}")
-            try:
-                await asyncio.sleep(float(payload.get("sleep", 0)))
-            except asyncio.CancelledError:
-                record(f"cancelled {{event_id}}")
-                if payload.get("stubborn"):
-                    await asyncio.sleep(3)
-                raise
-            record(f"done {{event_id}}")
-
-
-        consumer = Consumer(
-            amqp_url=os.environ["LILY_AMQP_URL"], name="svc", graceful_timeout=20.0, force_timeout={force_timeout!r}
-        )
-        consumer.configure_queue(QUEUE, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=1, delays=(30.0,)))
-        consumer.include(handle)
-    """
-    (directory / "svcmod.py").write_text(textwrap.dedent(source))
-
-
 @dataclasses.dataclass(frozen=True)
 class Service:
     """``lily-mongo run svcmod:consumer`` consuming ``q``; its handler writes ``log``."""
 
     q: str
-    process: asyncio.subprocess.Process
-    log: Path
+    process: Child
+    log: EventLog
 
 
 RunningService = Callable[..., contextlib.AbstractAsyncContextManager[Service]]
@@ -265,10 +90,10 @@ def running_service(env: dict[str, str], broker: Broker, tmp_path: Path) -> Runn
 
     @contextlib.asynccontextmanager
     async def run(base: str, *, force_timeout: float = 5.0) -> AsyncIterator[Service]:
-        q, log = broker.queue(base), tmp_path / "events.log"
-        write_service(tmp_path, q, log, force_timeout=force_timeout)
+        q = broker.queue(base)
+        log = write_service(tmp_path, q, force_timeout=force_timeout)
         async with cli_process("run", "svcmod:consumer", env=env, cwd=tmp_path) as process:
-            await wait_for_consumer(broker.connection, q, process)
+            await wait_for_consumers(broker.connection, q, process)
             yield Service(q, process, log)
 
     return run
@@ -277,11 +102,10 @@ def running_service(env: dict[str, str], broker: Broker, tmp_path: Path) -> Runn
 async def force_during(service: Service, event: uuid.UUID) -> Completed:
     """Once the service's handler runs ``event``: SIGINT, and a second one 1.5 s later that forces (a
     second signal within a second of the first is part of its burst); the command's result."""
-    await wait_for_line(service.log, f"start {event}")
+    await service.log.wait_for(f"start {event}")
     service.process.send_signal(signal.SIGINT)
     await asyncio.sleep(1.5)
-    service.process.send_signal(signal.SIGINT)
-    return await finish(service.process, ["lily-mongo", "run"], timeout=20)
+    return await service.process.stop(timeout=20, number=signal.SIGINT)
 
 
 @pytest.fixture
@@ -297,13 +121,12 @@ async def test_run_consumes_and_sigterm_shuts_down_gracefully(broker: Broker, ru
     async with running_service("run") as service:
         q, process, log = service.q, service.process, service.log
         event = await broker.publish(q, {"n": 1})
-        await wait_for_line(log, f"done {event}")
-        process.send_signal(signal.SIGTERM)
-        result = await finish(process, ["lily-mongo", "run"], timeout=20)
+        await log.wait_for(f"done {event}")
+        result = await process.stop(timeout=20)
     assert result.returncode == 0, result.describe()
     assert "shutdown succeeded" in result.stdout, result.describe()
     assert "(forced)" not in result.stdout
-    assert log_lines(log) == [f"start {event}", f"done {event}"]
+    assert log.lines() == [f"start {event}", f"done {event}"]
     # The delivery was ACKed: nothing back in the queue, nothing dead-lettered, no consumer left.
     assert await broker.wait_for_depth(q, 0) == 0
     assert await broker.depth(f"{q}.dlq") == 0
@@ -318,8 +141,8 @@ async def test_run_second_signal_forces_and_requeues_the_running_delivery(
         event = await broker.publish(q, {"sleep": 60})
         result = await force_during(service, event)
     assert result.stdout.startswith("shutdown FORCED; unresolved deliveries: 0"), result.describe()
-    assert f"cancelled {event}" in log_lines(log)
-    assert f"done {event}" not in log_lines(log)
+    assert f"cancelled {event}" in log.lines()
+    assert f"done {event}" not in log.lines()
     # A forced shutdown is not an application failure: the copy is back in Q with its retry count untouched.
     assert await broker.wait_for_depth(q, 1) == 1, result.describe()
     assert await broker.depth(f"{q}.dlq") == 0
@@ -728,7 +551,7 @@ async def test_inbox_stats_counts_completions_and_outbox_per_handler(
     async def on_audit(item: Json[Item], event_id: EventId, mongo: MongoScope) -> None:
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id)}, session=mongo.session)
 
-    queues = {"concurrency": 1, "prefetch": 4, "retry": RetryPolicy(max_retries=1, delays=(0.2,))}
+    queues: dict[str, Any] = {"concurrency": 1, "prefetch": 4, "retry": RetryPolicy(max_retries=1, delays=(0.2,))}
     consumer = broker.consumer(
         (q_orders, q_audit), on_order, on_audit, name="stats", mongodb=mongodb, graceful_timeout=10.0, **queues
     )

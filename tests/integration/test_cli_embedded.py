@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,11 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from lily_mongo.embedded import available
-from tests.integration.test_cli import cli_env, cli_process, finish, wait_for_consumer
-from tests.integration.test_cli_http import free_port
-from tests.support import Broker, eventually
+from tests.support.broker import Broker
+from tests.support.cli import cli_env, cli_process, wait_for_consumers
+from tests.support.polling import eventually
+from tests.support.probes import free_port
+from tests.support.processes import Child
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SECTION = "## Your own service on the embedded MongoDB"
@@ -30,15 +31,13 @@ pytestmark = pytest.mark.skipif(not available(), reason="the embedded server nee
 
 
 @contextlib.asynccontextmanager
-async def embedded_server(*args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, int, str]]:
+async def embedded_server(*args: str) -> AsyncIterator[tuple[Child, int, str]]:
     """``lily-mongo embedded`` on a free port: its process, the port and the line it prints first (its URI);
     killed and reaped if the test leaves it running."""
     port = free_port()
     env = cli_env("amqp://unused/", "unused")
     async with cli_process("embedded", "--port", str(port), *args, env=env) as process:
-        assert process.stdout is not None
-        line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().strip()
-        yield process, port, line
+        yield process, port, (await process.read_line(timeout=30)).strip()
 
 
 @pytest.fixture
@@ -55,8 +54,7 @@ async def test_embedded_answers_ping_on_its_port_and_stops_on_sigterm(tmp_path: 
             assert (await client.admin.command("ping"))["ok"] == 1.0
         finally:
             await client.close()
-        process.send_signal(signal.SIGTERM)
-        result = await finish(process, ["lily-mongo", "embedded"], timeout=20)
+        result = await process.stop(timeout=20)
     assert result.returncode == 0, result.describe()
     assert f"listening at mongodb://127.0.0.1:{port}/, in memory" in result.stderr
 
@@ -73,8 +71,7 @@ async def test_embedded_data_is_kept_between_runs(tmp_path: Path) -> None:
                 finally:
                     await client.close()
             finally:
-                process.send_signal(signal.SIGTERM)
-                result = await finish(process, ["lily-mongo", "embedded"], timeout=20)
+                result = await process.stop(timeout=20)
         assert result.returncode == 0, result.describe()
         assert "one transaction at a time" in result.stderr
 
@@ -101,7 +98,7 @@ async def test_the_readme_service_runs_on_the_embedded_mongodb_as_written(
     client: AsyncMongoClient[Any] = AsyncMongoClient(embedded, serverSelectionTimeoutMS=10_000)
     try:
         async with cli_process("run", "myservice:consumer", env=env, cwd=tmp_path) as process:
-            await wait_for_consumer(broker.connection, q, process)
+            await wait_for_consumers(broker.connection, q, process)
             event = await broker.publish(q, {"order_id": "A1", "total_cents": 500})
             await broker.publish(q, {"order_id": "A1", "total_cents": 500}, event_id=event)  # the same event again
 
@@ -110,8 +107,7 @@ async def test_the_readme_service_runs_on_the_embedded_mongodb_as_written(
 
             await eventually(recorded, timeout=20, what="order A1 in shop.orders", interval=0.1)
             await asyncio.sleep(1.0)  # the duplicate copy's turn
-            process.send_signal(signal.SIGTERM)
-            result = await finish(process, ["lily-mongo", "run"], timeout=30)
+            result = await process.stop(timeout=30)
         assert result.returncode == 0, result.describe()
         assert result.stdout.startswith("shutdown succeeded"), result.describe()
         # Both copies were ACKed (an unsettled one would be back in the queue), the order applied once.

@@ -17,14 +17,10 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.test_cli import cli_env, cli_process, finish
-from tests.support import Broker, eventually
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from tests.support.broker import Broker
+from tests.support.cli import cli_env, cli_process
+from tests.support.polling import eventually
+from tests.support.probes import free_port, get
 
 
 def write_slow_service(directory: Path, q: str) -> None:
@@ -58,15 +54,6 @@ def write_slow_service(directory: Path, q: str) -> None:
     (directory / "slowsvc.py").write_text(textwrap.dedent(source))
 
 
-async def get(session: aiohttp.ClientSession, url: str) -> tuple[int, str] | None:
-    """Status and body, or None while nothing listens."""
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as response:
-            return response.status, await response.text()
-    except aiohttp.ClientConnectionError:
-        return None
-
-
 async def test_run_serves_readiness_health_and_metrics_across_start_and_shutdown(
     broker: Broker, mongo_uri: str, tmp_path: Path
 ) -> None:
@@ -80,8 +67,7 @@ async def test_run_serves_readiness_health_and_metrics_across_start_and_shutdown
     async with aiohttp.ClientSession() as session, cli_process(*args, env=env, cwd=tmp_path) as process:
 
         async def ready_is(code: int) -> bool:
-            if process.returncode is not None:
-                raise AssertionError(f"the command exited {process.returncode}")
+            await process.check_running()
             answer = await get(session, f"{base}/readyz")
             if answer is not None and (not statuses or statuses[-1] != answer[0]):
                 statuses.append(answer[0])
@@ -116,7 +102,7 @@ async def test_run_serves_readiness_health_and_metrics_across_start_and_shutdown
         process.send_signal(signal.SIGTERM)  # drains the slow delivery for about 3 s
         await eventually(lambda: ready_is(503), timeout=5, what="/readyz 503 while draining", interval=0.05)
         assert await get(session, f"{base}/healthz") == (200, "ok\n")
-        result = await finish(process, ["lily-mongo", "run"], timeout=30)
+        result = await process.finish(timeout=30)
     assert result.returncode == 0, result.describe()
     assert statuses[:3] == [503, 200, 503], statuses
     # JSON log lines: one per delivery at DEBUG, naming queue, handler, event id and outcome.
@@ -139,13 +125,13 @@ async def test_run_http_port_in_use_fails_clearly(broker: Broker, mongo_uri: str
         async with cli_process(
             "run", "slowsvc:consumer", "--http-port", str(port), env=cli_env(broker.url, mongo_uri), cwd=tmp_path
         ) as process:
-            result = await finish(process, ["lily-mongo", "run"], timeout=20)
+            result = await process.finish(timeout=20)
     assert result.returncode == 2, result.describe()
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
 
 
 async def test_run_rejects_an_unknown_log_format(amqp: str, mongo_uri: str, tmp_path: Path) -> None:
     async with cli_process("run", "x:y", "--log-format", "xml", env=cli_env(amqp, mongo_uri), cwd=tmp_path) as process:
-        result = await finish(process, ["lily-mongo", "run"], timeout=20)
+        result = await process.finish(timeout=20)
     assert result.returncode == 2, result.describe()
     assert "--log-format" in result.stderr

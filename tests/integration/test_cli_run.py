@@ -10,8 +10,8 @@ within 15 s in one line; every stderr line of a JSON run parses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import os
 import re
 import shutil
 import signal
@@ -25,19 +25,18 @@ import aio_pika
 import pytest
 
 from lily_mongo._inbox.protocol import COMPLETED
-from tests.integration.test_cli import (
+from tests.support.broker import Broker
+from tests.support.cli import (
     cli_env,
     cli_process,
-    finish,
-    log_lines,
     one_error_line,
     run_cli,
     run_error_line,
-    wait_for_consumer,
-    wait_for_line,
+    wait_for_consumers,
     write_service,
 )
-from tests.support import Broker, MongoDB
+from tests.support.mongo import MongoDB
+from tests.support.processes import Child, started
 
 REPO = Path(__file__).resolve().parents[2]
 UV = shutil.which("uv")
@@ -49,25 +48,12 @@ def env(amqp: str, mongo_uri: str) -> dict[str, str]:
     return cli_env(amqp, mongo_uri)
 
 
-async def start_uv_run(*args: str, env: dict[str, str], cwd: Path) -> asyncio.subprocess.Process:
-    """``uv run --locked --no-sync lily-mongo ...`` from the repository, in a process group of its own."""
+def uv_run(*args: str, env: dict[str, str], cwd: Path) -> contextlib.AbstractAsyncContextManager[Child]:
+    """``uv run --locked --no-sync lily-mongo ...`` from the repository, in a process group of its own
+    (its signals go to the group, as a terminal sends them)."""
     assert UV is not None
-    return await asyncio.create_subprocess_exec(
-        UV,
-        "run",
-        "--project",
-        str(REPO),
-        "--locked",
-        "--no-sync",
-        "lily-mongo",
-        *args,
-        env=env,
-        cwd=cwd,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-    )
+    argv = [UV, "run", "--project", str(REPO), "--locked", "--no-sync", "lily-mongo", *args]
+    return started(argv, env=env, cwd=cwd, group=True)
 
 
 @pytest.mark.skipif(UV is None, reason="uv is not installed")
@@ -75,26 +61,21 @@ async def start_uv_run(*args: str, env: dict[str, str], cwd: Path) -> asyncio.su
 async def test_ctrl_c_under_uv_run_drains_gracefully_and_a_second_one_forces(
     env: dict[str, str], broker: Broker, tmp_path: Path, signals: int
 ) -> None:
-    q, log = broker.queue("uvrun"), tmp_path / "events.log"
-    write_service(tmp_path, q, log)
-    process = await start_uv_run("run", "svcmod:consumer", env=env, cwd=tmp_path)
-    try:
-        await wait_for_consumer(broker.connection, q, process, timeout=60)
+    q = broker.queue("uvrun")
+    log = write_service(tmp_path, q)
+    async with uv_run("run", "svcmod:consumer", env=env, cwd=tmp_path) as process:
+        await wait_for_consumers(broker.connection, q, process, timeout=60)
         event = await broker.publish(q, {"sleep": 3 if signals == 1 else 60})
-        await wait_for_line(log, f"start {event}")
-        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        await log.wait_for(f"start {event}")
+        # What a terminal's Ctrl-C does: SIGINT to the whole foreground group, uv's.
         if signals == 2:
+            process.send_signal(signal.SIGINT)
             await asyncio.sleep(1.5)
-            os.killpg(process.pid, signal.SIGINT)
-        result = await finish(process, ["uv run lily-mongo", "run"], timeout=40)
-    finally:
-        if process.returncode is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
+        result = await process.stop(timeout=40, number=signal.SIGINT)
     if signals == 1:
         assert result.returncode == 0, result.describe()
         assert result.stdout.startswith("shutdown succeeded; unresolved deliveries: 0"), result.describe()
-        assert log_lines(log) == [f"start {event}", f"done {event}"]  # drained: the handler finished
+        assert log.lines() == [f"start {event}", f"done {event}"]  # drained: the handler finished
         assert await broker.wait_for_depth(q, 0) == 0
         assert "shutting down gracefully (up to 20 s); press Ctrl-C again to force" in result.stderr
     else:
@@ -103,7 +84,7 @@ async def test_ctrl_c_under_uv_run_drains_gracefully_and_a_second_one_forces(
         assert result.returncode in (1, 130), result.describe()
         assert result.stdout.startswith("shutdown FORCED; unresolved deliveries: 0"), result.describe()
         assert "succeeded" not in result.stdout
-        assert f"cancelled {event}" in log_lines(log)
+        assert f"cancelled {event}" in log.lines()
         assert await broker.wait_for_depth(q, 1) == 1  # requeued by the force, not lost
         assert "received again: forcing the shutdown" in result.stderr
 
@@ -149,12 +130,10 @@ async def test_a_signal_during_the_start_stops_it_in_one_line(
 ) -> None:
     mongo_service(tmp_path, broker.queue("slowstart"), "mongodb://127.0.0.1:1/", check_timeout=60.0)
     async with cli_process("run", "mongosvc:consumer", env=env, cwd=tmp_path) as process:
-        assert process.stderr is not None
-        banner = await asyncio.wait_for(process.stderr.readline(), 20)
-        assert banner.startswith(b"starting mongosvc"), banner
+        banner = await process.read_line(timeout=20, stderr=True)
+        assert banner.startswith("starting mongosvc"), banner
         started = time.monotonic()
-        process.send_signal(signal.SIGINT)
-        result = await finish(process, ["lily-mongo", "run"], timeout=20)
+        result = await process.stop(timeout=20, number=signal.SIGINT)
     assert time.monotonic() - started < 10
     assert result.returncode == 130, result.describe()
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -204,12 +183,11 @@ async def test_every_stderr_line_of_a_json_run_is_one_json_object(
     (tmp_path / "jsonsvc.py").write_text(textwrap.dedent(JSON_SERVICE.format(q=q)))
     args = ("run", "jsonsvc:consumer", "--log-format", "json", "--log-level", "debug")
     async with cli_process(*args, env=env, cwd=tmp_path) as process:
-        await wait_for_consumer(broker.connection, q, process)
+        await wait_for_consumers(broker.connection, q, process)
         acked = await broker.publish(q, {"n": 1})
         rejected = await broker.publish(q, {"reject": True})
         assert await broker.wait_for_depth(f"{q}.dlq", 1) == 1
-        process.send_signal(signal.SIGTERM)
-        result = await finish(process, ["lily-mongo", "run"], timeout=30)
+        result = await process.stop(timeout=30)
     assert result.returncode == 0, result.describe()
     assert result.stdout == ""  # the report is a JSON line on stderr too
     lines = [json.loads(line) for line in result.stderr.splitlines()]  # raises on any line that is not JSON
@@ -246,7 +224,7 @@ async def test_inbox_stats_of_a_database_without_lily_collections_exits_2(
 
 
 async def test_the_http_port_error_names_the_reason(env: dict[str, str], broker: Broker, tmp_path: Path) -> None:
-    write_service(tmp_path, broker.queue("bind"), tmp_path / "events.log")
+    write_service(tmp_path, broker.queue("bind"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -272,7 +250,7 @@ async def test_the_tables_are_readable_at_80_columns(env: dict[str, str], broker
     q = broker.queue("narrow")
     await broker.channel.declare_queue(f"{q}.dlq", durable=True)
     reason = "the payment gateway answered 503 three times in a row and the order could not be confirmed"
-    headers = {
+    headers: aio_pika.abc.HeadersType = {
         "x-lily-event-id": "0f8fad5b-d9cb-469f-a165-70867728950e",
         "x-lily-failure-code": "PAYMENT_DOWN",
         "x-lily-failure-reason": reason,

@@ -14,15 +14,17 @@ import os
 import re
 import signal
 import textwrap
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
-from tests.integration.test_cli import cli_env, reap, start_cli
-from tests.integration.test_cli_http import free_port, get
-from tests.support import Broker, consumer_count, eventually
+from tests.support.broker import Broker
+from tests.support.cli import cli_argv, cli_env, wait_for_consumers
+from tests.support.polling import eventually
+from tests.support.probes import answers, free_port, get
+from tests.support.processes import Child, started
 
 SERVICE = """
     import asyncio
@@ -52,11 +54,10 @@ SERVICE = """
 
 @dataclass
 class Supervised:
-    """The supervisor process, what it wrote on stderr so far, and what the handlers logged."""
+    """The supervisor process (its output in files, read while it runs) and what the handlers logged."""
 
-    process: asyncio.subprocess.Process
+    process: Child
     log: Path
-    stderr: list[str] = field(default_factory=list)
 
     def handled(self) -> dict[str, int]:
         """Event id -> the process id that handled it."""
@@ -66,7 +67,7 @@ class Supervised:
     def started(self) -> dict[int, list[int]]:
         """Worker index -> the process ids it was started with, in order (from the supervisor's lines)."""
         found: dict[int, list[int]] = {}
-        for line in self.stderr:
+        for line in self.process.stderr().splitlines():
             match = re.search(r"^worker (\d+) started \(pid (\d+)\)", line)
             if match:
                 found.setdefault(int(match[1]), []).append(int(match[2]))
@@ -78,43 +79,21 @@ async def supervised(broker: Broker, tmp_path: Path, q: str, *args: str) -> Asyn
     log = tmp_path / "handled.log"
     (tmp_path / "workersvc.py").write_text(textwrap.dedent(SERVICE.format(q=q, log=str(log))))
     env = cli_env(broker.url, "mongodb://127.0.0.1:1/")
-    process = await start_cli("run", "workersvc:consumer", *args, env=env, cwd=tmp_path)
-    running = Supervised(process, log)
-
-    async def read() -> None:
-        assert process.stderr is not None
-        async for line in process.stderr:
-            running.stderr.append(line.decode())
-
-    reader = asyncio.ensure_future(read())
-    try:
-        yield running
-    finally:
-        reader.cancel()
-        await asyncio.wait([reader])  # stderr is the reaping's to read now
-        await reap(process)
-        with contextlib.suppress(ProcessLookupError):
-            for pids in running.started().values():
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)  # a worker the test left running
+    argv = cli_argv("run", "workersvc:consumer", *args)
+    async with started(argv, env=env, cwd=tmp_path, files=tmp_path / "supervisor") as process:
+        service = Supervised(process, log)
+        try:
+            yield service
+        finally:
+            await process.reap()  # first: a dead supervisor restarts no worker
+            with contextlib.suppress(ProcessLookupError):
+                for pids in service.started().values():
+                    for pid in pids:
+                        os.kill(pid, signal.SIGKILL)  # a worker the test left running
 
 
-async def consumers(broker: Broker, q: str, count: int, service: Supervised, timeout: float = 30.0) -> None:
-    async def attached() -> bool:
-        if service.process.returncode is not None:
-            raise AssertionError(f"the supervisor exited {service.process.returncode}:\n{''.join(service.stderr)}")
-        return await consumer_count(broker.connection, q) == count
-
-    await eventually(attached, timeout=timeout, what=f"{count} consumers on {q}", interval=0.1)
-
-
-async def stop(service: Supervised) -> tuple[int, str, str]:
-    service.process.send_signal(signal.SIGTERM)
-    assert service.process.stdout is not None
-    stdout = await asyncio.wait_for(service.process.stdout.read(), 40)
-    code = await asyncio.wait_for(service.process.wait(), 10)
-    await asyncio.sleep(0.1)  # the reader's last lines
-    return code, stdout.decode(), "".join(service.stderr)
+async def consumers(broker: Broker, q: str, count: int, service: Supervised) -> None:
+    await wait_for_consumers(broker.connection, q, service.process, count, timeout=30.0)
 
 
 async def test_two_workers_compete_drain_on_sigterm_and_a_killed_one_is_restarted(
@@ -141,13 +120,13 @@ async def test_two_workers_compete_drain_on_sigterm_and_a_killed_one_is_restarte
 
         slow = await broker.publish(q, {"sleep": 2})  # in flight at SIGTERM: drained, not forced
         await asyncio.sleep(0.5)
-        code, stdout, stderr = await stop(service)
-    assert code == 0, stderr + stdout
-    assert stdout.count("shutdown succeeded; unresolved deliveries: 0") == 2, stdout
-    assert "[worker 1] shutdown succeeded" in stdout
-    assert "[worker 2] shutdown succeeded" in stdout
-    assert "exited with status -9; restarting it in" in stderr
-    assert "workers stopped: 1: exit 0, 2: exit 0" in stderr
+        result = await service.process.stop(timeout=50)
+    assert result.returncode == 0, result.describe()
+    assert result.stdout.count("shutdown succeeded; unresolved deliveries: 0") == 2, result.stdout
+    assert "[worker 1] shutdown succeeded" in result.stdout
+    assert "[worker 2] shutdown succeeded" in result.stdout
+    assert "exited with status -9; restarting it in" in result.stderr
+    assert "workers stopped: 1: exit 0, 2: exit 0" in result.stderr
     assert str(slow) in service.handled()
     assert {str(e) for e in events + more} <= set(service.handled())
     assert await broker.wait_for_depth(q, 0) == 0
@@ -159,12 +138,11 @@ async def test_workers_serve_readiness_and_metrics_for_all_of_them(broker: Broke
     base = f"http://127.0.0.1:{port}"
     args = ("--workers", "2", "--http-port", str(port))
     async with supervised(broker, tmp_path, q, *args) as service, aiohttp.ClientSession() as session:
-        await eventually(lambda: get(session, f"{base}/healthz"), timeout=30, what="the probes", interval=0.1)
+        await eventually(lambda: answers(session, f"{base}/healthz"), timeout=30, what="the probes", interval=0.1)
         await consumers(broker, q, 2, service)
 
-        async def ready() -> bool:
-            answer = await get(session, f"{base}/readyz")
-            return answer is not None and answer[0] == 200
+        def ready() -> Awaitable[bool]:
+            return answers(session, f"{base}/readyz")
 
         await eventually(ready, timeout=20, what="/readyz 200 with both workers", interval=0.1)
         await broker.publish(q, {"n": 1})
@@ -194,8 +172,8 @@ async def test_workers_serve_readiness_and_metrics_for_all_of_them(broker: Broke
         finally:
             os.kill(worker, signal.SIGCONT)
         await eventually(ready, timeout=20, what="/readyz 200 again", interval=0.1)
-        code, stdout, stderr = await stop(service)
-    assert code == 0, stderr + stdout
+        result = await service.process.stop(timeout=50)
+    assert result.returncode == 0, result.describe()
 
 
 async def test_reload_restarts_the_worker_gracefully_when_a_source_file_changes(broker: Broker, tmp_path: Path) -> None:
@@ -213,11 +191,11 @@ async def test_reload_restarts_the_worker_gracefully_when_a_source_file_changes(
         event = await broker.publish(q, {"n": 1})
         await eventually(lambda: str(event) in service.handled(), timeout=20, what="the event", interval=0.1)
         assert service.handled()[str(event)] == second
-        code, stdout, stderr = await stop(service)
-    assert code == 0, stderr + stdout
-    assert "changed: workersvc.py; restarting the workers gracefully" in stderr
+        result = await service.process.stop(timeout=50)
+    assert result.returncode == 0, result.describe()
+    assert "changed: workersvc.py; restarting the workers gracefully" in result.stderr
     # The first worker shut down gracefully too (its report), then the second.
-    assert stdout.count("shutdown succeeded; unresolved deliveries: 0") == 2, stdout
+    assert result.stdout.count("shutdown succeeded; unresolved deliveries: 0") == 2, result.stdout
 
 
 async def test_with_reload_a_worker_that_cannot_load_waits_for_the_fix(broker: Broker, tmp_path: Path) -> None:
@@ -229,7 +207,7 @@ async def test_with_reload_a_worker_that_cannot_load_waits_for_the_fix(broker: B
         good = source.read_text()
         source.write_text(good + "\noops(\n")  # a syntax error: the restarted worker exits 2
         await eventually(
-            lambda: any("restarts at the next change" in line for line in service.stderr),
+            lambda: "restarts at the next change" in service.process.stderr(),
             timeout=30,
             what="the broken worker waiting",
         )
@@ -239,8 +217,8 @@ async def test_with_reload_a_worker_that_cannot_load_waits_for_the_fix(broker: B
         await consumers(broker, q, 1, service)
         event = await broker.publish(q, {"n": 1})
         await eventually(lambda: str(event) in service.handled(), timeout=20, what="the event", interval=0.1)
-        code, stdout, stderr = await stop(service)
-    assert code == 0, stderr + stdout
+        result = await service.process.stop(timeout=50)
+    assert result.returncode == 0, result.describe()
 
 
 async def test_a_forced_shutdown_kills_a_worker_whose_event_loop_is_blocked(broker: Broker, tmp_path: Path) -> None:
@@ -251,9 +229,7 @@ async def test_a_forced_shutdown_kills_a_worker_whose_event_loop_is_blocked(brok
         await asyncio.sleep(1.0)  # a worker took it and its event loop stopped
         service.process.send_signal(signal.SIGTERM)
         await asyncio.sleep(1.5)
-        service.process.send_signal(signal.SIGTERM)  # forces; the blocked worker cannot act on it
-        code = await asyncio.wait_for(service.process.wait(), 30)
-        await asyncio.sleep(0.1)  # the reader's last lines
-        stderr = "".join(service.stderr)
-    assert code != 0, stderr
-    assert re.search(r"worker \d \(pid \d+\) did not end 10 s after the forced shutdown: killing it", stderr), stderr
+        result = await service.process.stop(timeout=30)  # forces; the blocked worker cannot act on it
+    assert result.returncode != 0, result.describe()
+    killing = r"worker \d \(pid \d+\) did not end 10 s after the forced shutdown: killing it"
+    assert re.search(killing, result.stderr), result.describe()

@@ -10,15 +10,10 @@ import aio_pika.abc
 import pydantic
 
 from lily_mongo.dlq import list_dead_letters, replay_dead_letters
-from tests.support import (
-    NO_RETRIES,
-    Broker,
-    eventually,
-    outcomes,
-    rejecting,
-    running,
-    wait_for_depth,
-)
+from tests.support.broker import Broker, wait_for_depth
+from tests.support.consumers import NO_RETRIES, outcomes, running
+from tests.support.handlers import rejecting
+from tests.support.polling import eventually
 
 
 class Item(pydantic.BaseModel):
@@ -79,14 +74,14 @@ async def test_broker_dead_letters_and_library_copies_are_told_apart(broker: Bro
         await eventually(lambda: len(outcomes(managed)) == 2, what="both deliveries settled", interval=0.05)
     assert await broker.wait_for_depth(f"{q}.dlq", 2) == 2
     seen = {m.event_id: m for m in (await list_dead_letters(broker.url, q)).messages}
-    broker, library = seen[oversize], seen[rejected]
-    assert (broker.origin, broker.broker_reason, broker.code, broker.untrusted_code) == (
+    by_broker, library = seen[oversize], seen[rejected]
+    assert (by_broker.origin, by_broker.broker_reason, by_broker.code, by_broker.untrusted_code) == (
         "broker",
         "rejected",
         None,
         "FORGED_BY_PRODUCER",
     )
-    assert (broker.reason, broker.failed_at) == ("", None)
+    assert (by_broker.reason, by_broker.failed_at) == ("", None)
     assert (library.origin, library.code, library.reason, library.untrusted_code) == (
         "library",
         "ITEM_REJECTED",

@@ -20,15 +20,9 @@ from yarl import URL
 
 from lily_mongo._amqp import LenientFrameReader, LenientTransport, connect_amqp, frame_path
 from tests.integration.test_malformed_frames import envelope_entries, make_consumer, publish_valid
-from tests.support import (
-    Broker,
-    BrokerNames,
-    RawProducer,
-    long_string_value,
-    raw_properties,
-    raw_table,
-    wait_observations,
-)
+from tests.support.broker import Broker, BrokerNames
+from tests.support.consumers import wait_observations
+from tests.support.frames import RawProducer, long_string_value, raw_properties, raw_table
 from tests.versions import untested
 
 

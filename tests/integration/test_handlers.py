@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import signal
 import textwrap
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -32,8 +31,11 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.testing import Faults, TestConsumer, check_idempotent
-from tests.integration.test_cli import cli_env, cli_process, finish, wait_for_consumer
-from tests.support import Broker, MongoDB, eventually
+from tests.support.broker import Broker
+from tests.support.cli import cli_env, cli_process, wait_for_consumers
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
+from tests.support.resources import Events, per_attempt
 
 NO_BROKER = "amqp://guest:guest@127.0.0.1:1/"
 BURST = 200
@@ -86,13 +88,12 @@ async def test_run_honours_the_lifespan_shows_the_handlers_traceback_and_counts_
     q, token = broker.queue("bug"), uuid.uuid4().hex
     write_failing_service(tmp_path, q, token)
     async with cli_process("run", "failing:consumer", env=cli_env(amqp, mongo_uri), cwd=tmp_path) as process:
-        await wait_for_consumer(broker.connection, q, process)
+        await wait_for_consumers(broker.connection, q, process)
         first = await broker.publish(q, {"n": 0})
         await broker.wait_for_depth(f"{q}.dlq", 1)
         await broker.publish_all(q, [{"n": n} for n in range(1, BURST + 1)])
         await broker.wait_for_depth(f"{q}.dlq", BURST + 1, timeout=60)
-        process.send_signal(signal.SIGTERM)
-        result = await finish(process, ["lily-mongo", "run"], timeout=30)
+        result = await process.stop(timeout=30)
     assert result.returncode == 0, result.describe()
     # The command honours the lifespan: entered (its resource reached the handler), exited at shutdown.
     assert (tmp_path / "lifespan.log").read_text().splitlines() == ["enter", "exit"]
@@ -118,20 +119,10 @@ async def test_run_honours_the_lifespan_shows_the_handlers_traceback_and_counts_
 
 # -- dependencies per attempt, with the inbox --------------------------------------------------------
 
-Events = Annotated[list[str], Resource("events")]
-
-
-async def session_counter(events: Events) -> AsyncIterator[str]:
-    events.append("set up")
-    try:
-        yield "tenant-1"
-    finally:
-        events.append("clean up")
-
 
 @queue("notes", version=1, handler_id="notes.v1")
 async def save_note(
-    note: Json[dict[str, Any]], tenant: Annotated[str, Depends(session_counter)], mongo: MongoScope
+    note: Json[dict[str, Any]], tenant: Annotated[str, Depends(per_attempt)], mongo: MongoScope
 ) -> None:
     await mongo.database["notes"].insert_one({"tenant": tenant, "text": note["text"]}, session=mongo.session)
     if note.get("fail"):

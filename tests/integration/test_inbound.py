@@ -16,7 +16,7 @@ import aiormq.abc
 import pytest
 
 from lily_mongo._amqp import AmqpMessage
-from tests.support import BrokerNames, queue_depth, wait_for_depth
+from tests.support.broker import BrokerNames, queue_depth, wait_for_depth
 
 STAMP = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
 
@@ -34,6 +34,7 @@ async def consume_one(channel: aio_pika.abc.AbstractChannel, name: str) -> aiorm
     try:
         return await asyncio.wait_for(got, 10)
     finally:
+        assert consuming.consumer_tag is not None
         await underlay.basic_cancel(consuming.consumer_tag)
 
 

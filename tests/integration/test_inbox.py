@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import datetime
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from pymongo import AsyncMongoClient
 from pymongo.errors import OperationFailure
 
 from lily_mongo import (
@@ -38,7 +36,12 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.testing import Faults
-from tests.support import Broker, CuttingProxy, MongoDB, Streams, accepting, eventually, one_event, outcomes, running
+from tests.support.broker import Broker
+from tests.support.consumers import one_event, outcomes, running
+from tests.support.handlers import accepting
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
+from tests.support.proxy import behind_a_cutter
 
 Handler = Callable[..., Awaitable[None]]
 
@@ -61,7 +64,7 @@ def settled_copies(*managed: ManagedConsumer) -> int:
 
 def inbox_consumer(broker: Broker, mongodb: MongoDB, q: str, handler: Handler, **options: Any) -> Consumer:
     """A consumer of ``q`` with an inbox in ``mongodb`` (two permits, two quick retries unless ``options`` say)."""
-    defaults = {
+    defaults: dict[str, Any] = {
         "name": "inbox-test",
         "concurrency": 2,
         "prefetch": 8,
@@ -382,63 +385,6 @@ async def test_close_connection_failpoint_on_commit(
     assert len(calls) == sum(o.attempts for o in observations)
     await assert_effect_once(mongodb, event)
     assert await broker.depth(f"{run.q}.dlq") == 0
-
-
-class CommitCutter(CuttingProxy):
-    """A proxy in front of the MongoDB server that drops connections around ``commitTransaction``.
-
-    ``cut_requests``: drop the connection instead of forwarding the next N commits (the
-    commit never reaches the server). ``cut_replies``: forward the next N commits, then
-    drop the connection instead of forwarding the reply (the commit applied, the client
-    cannot know). Both are real network errors: the driver labels them
-    ``UnknownTransactionCommitResult``.
-    """
-
-    MARK = b"commitTransaction\x00"
-
-    def __init__(self, host: str, port: int) -> None:
-        super().__init__(host, port)
-        self.cut_requests = 0
-        self.cut_replies = 0
-
-    async def relay(self, client: Streams, server: Streams) -> None:
-        (client_reader, client_writer), (server_reader, server_writer) = client, server
-        reply_doomed = False
-
-        async def upstream() -> None:
-            nonlocal reply_doomed
-            while data := await client_reader.read(65536):
-                if self.MARK in data:
-                    if self.cut_requests > 0:
-                        self.cut_requests -= 1
-                        self.cut(client_writer, server_writer)
-                        return
-                    if self.cut_replies > 0:
-                        self.cut_replies -= 1
-                        reply_doomed = True
-                server_writer.write(data)
-                await server_writer.drain()
-
-        async def downstream() -> None:
-            while data := await server_reader.read(65536):
-                if reply_doomed:
-                    self.cut(client_writer, server_writer)
-                    return
-                client_writer.write(data)
-                await client_writer.drain()
-
-        await asyncio.gather(upstream(), downstream())
-
-
-@contextlib.asynccontextmanager
-async def behind_a_cutter(mongodb: MongoDB) -> AsyncIterator[tuple[CommitCutter, MongoDB]]:
-    """A :class:`CommitCutter` in front of the test's server, and the test's database through it."""
-    async with CommitCutter.fronting(mongodb) as cutter:
-        client: AsyncMongoClient[Any] = AsyncMongoClient(cutter.uri, serverSelectionTimeoutMS=10_000)
-        try:
-            yield cutter, MongoDB(cutter.uri, client, mongodb.name)
-        finally:
-            await client.close()
 
 
 async def run_behind_a_cutter(

@@ -40,7 +40,9 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.testing import Faults
-from tests.support import BrokerNames, eventually, outcomes, running
+from tests.support.broker import BrokerNames
+from tests.support.consumers import outcomes, running
+from tests.support.polling import eventually
 
 # Driver housekeeping that no delivery sends, and the start-up's one read of the server's limit.
 MONITORING = frozenset({"hello", "ismaster", "isMaster", "ping", "endSessions", "buildInfo", "getParameter"})

@@ -9,97 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import json
-import os
-import signal
-import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from lily_mongo import Consumer, EventId, InboxOptions, MongoScope, RetryPolicy, queue
-from tests.support import Broker, CuttingProxy, MongoDB, Streams, eventually, one_event, outcomes, running
+from pymongo.asynchronous.collection import AsyncCollection
 
-ROOT = Path(__file__).resolve().parents[2]
+from lily_mongo import Consumer, EventId, InboxOptions, MongoScope, RetryPolicy, queue
+from tests.support.broker import Broker
+from tests.support.consumers import one_event, outcomes, running
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
+from tests.support.processes import Child, Workers, worker_processes
+from tests.support.proxy import CuttingProxy, Streams
+
 WORKER = Path(__file__).resolve().parent / "workers" / "inbox_worker.py"
 RECORDS = "lily_inbox"
 EFFECTS = "effects"
-
-
-# -- helpers --------------------------------------------------------------------------------------
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """Complete JSON lines a worker wrote so far."""
-    text = path.read_text() if path.exists() else ""
-    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
-
-
-def open_log(path: Path) -> Any:
-    return path.open("wb")
-
-
-class Workers:
-    """Worker processes started by one test; whatever is still running at the end is killed."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.processes: dict[str, asyncio.subprocess.Process] = {}
-
-    async def start(self, name: str, *args: str) -> asyncio.subprocess.Process:
-        log = open_log(self.directory / f"{name}.out")
-        errors = open_log(self.directory / f"{name}.err")
-        try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                str(WORKER),
-                "--name",
-                name,
-                *args,
-                stdout=log,
-                stderr=errors,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-            )
-        finally:
-            log.close()
-            errors.close()
-        self.processes[name] = process
-        return process
-
-    def records(self, name: str) -> list[dict[str, Any]]:
-        return read_records(self.directory / f"{name}.out")
-
-    def stderr(self, name: str) -> str:
-        return (self.directory / f"{name}.err").read_text()[-2000:]
-
-    async def wait_for_record(self, name: str, key: str, timeout: float = 10.0) -> dict[str, Any]:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            for record in self.records(name):
-                if key in record:
-                    return record
-            process = self.processes[name]
-            if process.returncode is not None:
-                raise AssertionError(f"worker {name} exited ({process.returncode}): {self.stderr(name)}")
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"worker {name} wrote no {key!r} record in {timeout} s: {self.stderr(name)}")
-            await asyncio.sleep(0.05)
-
-    async def close(self) -> None:
-        for process in self.processes.values():
-            if process.returncode is None:
-                process.kill()
-            await process.wait()
-
-
-@contextlib.asynccontextmanager
-async def workers_in(directory: Path) -> AsyncIterator[Workers]:
-    workers = Workers(directory)
-    try:
-        yield workers
-    finally:
-        await workers.close()
 
 
 # -- takeover after a replica dies ----------------------------------------------------------------
@@ -114,20 +40,17 @@ def worker_args(broker: Broker, mongodb: MongoDB, q: str, handler_id: str, *, le
 
 
 async def replica_b_completes(
-    workers: Workers, args: list[str], records: Any, key: str
-) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
+    workers: Workers, args: list[str], records: AsyncCollection[Any], key: str
+) -> tuple[Child, dict[str, Any]]:
     """Start replica B, wait until the record ``key`` is completed, stop B; return it and its last report."""
-    b = await workers.start("replica-b", *args)
-    await workers.wait_for_record("replica-b", "ready")
 
     async def completed() -> bool:
         return await records.count_documents({"_id": key, "state": "completed"}) == 1
 
     # On MongoDB, A's open transaction holds the record until the server reaps it
     # (transactionLifetimeLimitSeconds, 60 s by default); B's claim waits for that.
-    await eventually(completed, what="replica B to complete the event", interval=0.05, timeout=90.0)
-    b.send_signal(signal.SIGTERM)
-    assert await asyncio.wait_for(b.wait(), 10.0) == 0, workers.stderr("replica-b")
+    what = "replica B to complete the event"
+    b = await workers.serve_until("replica-b", *args, done=completed, what=what, timeout=90.0, stop=10.0)
     return b, await workers.wait_for_record("replica-b", "observations")
 
 
@@ -138,10 +61,9 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
     db = mongodb.db
     records = db[RECORDS]
     common = worker_args(broker, mongodb, q, handler_id, lease_seconds="1.0")
-    async with workers_in(tmp_path) as workers:
+    async with worker_processes(WORKER, tmp_path) as workers:
         # A's copy takes the lease claim, as a redelivered copy would: the lease is what this is about.
         a = await workers.start("replica-a", *common, "--slow", "60", "--claim-in-transaction", "off")
-        await workers.wait_for_record("replica-a", "ready")
         await broker.publish(q, event_id=event)
         started = await workers.wait_for_record("replica-a", "handler")
         assert started["handler"] == str(event)
@@ -151,8 +73,7 @@ async def test_lease_expiry_lets_another_replica_take_over_after_a_kill(
             return record is not None and str(record.get("owner", "")).startswith("replica-a:")
 
         await eventually(held_by_a, what="replica A to hold the lease", interval=0.05)
-        a.send_signal(signal.SIGKILL)
-        assert await a.wait() == -signal.SIGKILL
+        await a.kill()
         # A's lease is still there, unexpired or not: nobody released it.
         lease_a = await records.find_one({"_id": key})
         assert lease_a is not None
@@ -185,14 +106,12 @@ async def test_a_replica_killed_while_claiming_in_its_transaction_leaves_nothing
     q, handler_id, event, key = one_event(broker, "killed")
     db = mongodb.db
     common = worker_args(broker, mongodb, q, handler_id, lease_seconds="30")
-    async with workers_in(tmp_path) as workers:
+    async with worker_processes(WORKER, tmp_path) as workers:
         a = await workers.start("replica-a", *common, "--slow", "60")
-        await workers.wait_for_record("replica-a", "ready")
         await broker.publish(q, event_id=event)
         started = await workers.wait_for_record("replica-a", "handler")
         assert started["handler"] == str(event)
-        a.send_signal(signal.SIGKILL)
-        assert await a.wait() == -signal.SIGKILL
+        await a.kill()
         assert await db[RECORDS].count_documents({"_id": key}) == 0  # nothing committed, nothing to expire
         b, final = await replica_b_completes(workers, common, db[RECORDS], key)
 
@@ -279,7 +198,7 @@ async def test_a_competing_copy_during_a_long_handler_never_applies_the_event_tw
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id), "by": "b"}, session=mongo.session)
 
     # prefetch 1: while A works, the broker gives the second copy to B.
-    settings = {"inbox": options, "concurrency": 1, "prefetch": 1, "max_deferrals": 50}
+    settings: dict[str, Any] = {"inbox": options, "concurrency": 1, "prefetch": 1, "max_deferrals": 50}
 
     def consumer(replica: MongoDB, name: str, handler: Callable[..., Awaitable[None]]) -> Consumer:
         retry = RetryPolicy(max_retries=1, delays=(0.2,))
@@ -358,7 +277,7 @@ async def test_the_deferral_count_continues_across_a_killed_consumer(
     q, handler_id, event, key = one_event(broker, "counted")
     records = mongodb.db[RECORDS]
     bound = 4
-    async with ClaimCutter.fronting(mongodb) as cutter, workers_in(tmp_path) as workers:
+    async with ClaimCutter.fronting(mongodb) as cutter, worker_processes(WORKER, tmp_path) as workers:
         common = [
             *worker_args(broker, MongoDB(cutter.uri, mongodb.client, mongodb.name), q, handler_id, lease_seconds="30"),
             *("--claim-in-transaction", "off", "--deadline", "8", "--max-deferrals", str(bound)),
@@ -369,23 +288,22 @@ async def test_the_deferral_count_continues_across_a_killed_consumer(
             return int((record or {}).get("deferrals", 0))
 
         a = await workers.start("replica-a", *common)
-        await workers.wait_for_record("replica-a", "ready")
         await broker.publish(q, event_id=event)
 
         async def two_counted() -> bool:
             return await deferrals() >= 2
 
         await eventually(two_counted, what="replica A's deferrals to be counted", timeout=30.0, interval=0.05)
-        a.send_signal(signal.SIGKILL)
-        assert await a.wait() == -signal.SIGKILL
+        await a.kill()
         await asyncio.sleep(0.5)  # whatever A had sent has landed
         counted_by_a = await deferrals()
         assert 2 <= counted_by_a < bound
-        b = await workers.start("replica-b", *common)
-        await workers.wait_for_record("replica-b", "ready")
-        assert await broker.wait_for_depth(f"{q}.dlq", 1, timeout=40.0) == 1
-        b.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(b.wait(), 20.0) == 0, workers.stderr("replica-b")
+
+        async def dead_lettered() -> bool:
+            return await broker.depth(f"{q}.dlq") == 1
+
+        what = "the event dead-lettered"
+        await workers.serve_until("replica-b", *common, done=dead_lettered, what=what, timeout=40.0, stop=20.0)
         final = await workers.wait_for_record("replica-b", "observations")
         assert cutter.cuts >= bound
 

@@ -33,15 +33,12 @@ from lily_mongo import (
     TerminalObservation,
     queue,
 )
-from tests.support import (
-    Broker,
-    MongoDB,
-    accepting,
-    consumer_count,
-    eventually,
-    new_tasks,
-    queue_exists,
-)
+from tests.support.broker import Broker, consumer_count, queue_exists
+from tests.support.consumers import new_tasks
+from tests.support.handlers import accepting
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
+from tests.support.processes import run
 
 Body = Json[dict[str, Any]]
 
@@ -63,12 +60,9 @@ def _connection_name() -> str:
 
 
 async def _rabbitmqctl(*args: str) -> str:
-    process = await asyncio.create_subprocess_exec(
-        "rabbitmqctl", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 60)
-    assert process.returncode == 0, err.decode(errors="replace")
-    return out.decode(errors="replace")
+    done = await run(["rabbitmqctl", *args], timeout=60)
+    assert done.returncode == 0, done.describe()
+    return done.stdout
 
 
 async def _broker_connection_pids(connection_name: str) -> list[str]:

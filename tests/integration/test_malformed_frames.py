@@ -10,22 +10,16 @@ the messages behind it handled, and the connection kept (no new transport genera
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import aio_pika
 import aio_pika.abc
 import pydantic
 
 from lily_mongo import Consumer, Json, ManagedConsumer, RetryPolicy, queue
-from tests.support import (
-    BrokerNames,
-    RawProducer,
-    drain,
-    long_string_value,
-    queue_depth,
-    raw_properties,
-    raw_table,
-    wait_observations,
-)
+from tests.support.broker import BrokerNames, drain, headers_of, queue_depth
+from tests.support.consumers import wait_observations
+from tests.support.frames import RawProducer, long_string_value, raw_properties, raw_table
 
 BODY = b'{"id": 0, "sku": "P-0"}'
 
@@ -119,7 +113,7 @@ async def test_undecodable_text_in_any_metadata_field_is_refused_and_consuming_g
     await (await amqp_channel.get_queue(q)).bind(exchange)
     entries = envelope_entries(str(uuid.uuid4()))
     nested = (b"x-meta", b"F" + raw_table([(b"caf\xc3", long_string_value("v"))]))
-    poison = {
+    poison: dict[str, tuple[str, bytes, dict[str, Any]]] = {
         "a nested header name in 'x-meta' is not valid UTF-8": ("", q.encode(), {"headers": [*entries, nested]}),
         "property content_type is not valid UTF-8": ("", q.encode(), {"content_type": b"application/\xff"}),
         "property message_id is not valid UTF-8": ("", q.encode(), {"message_id": b"\xfe\xff-1"}),
@@ -145,4 +139,4 @@ async def test_undecodable_text_in_any_metadata_field_is_refused_and_consuming_g
     assert generation == 1
     assert await queue_depth(amqp_channel, f"{q}.dlq") == len(poison)
     copies = await drain(amqp_channel, f"{q}.dlq")
-    assert sorted(c.headers["x-lily-failure-reason"] for c in copies) == sorted(poison)
+    assert sorted(headers_of(c)["x-lily-failure-reason"] for c in copies) == sorted(poison)

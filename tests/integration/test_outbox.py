@@ -39,13 +39,10 @@ from lily_mongo._tasks import TaskSet
 from lily_mongo.envelope import validate_envelope
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.testing import Faults
-from tests.support import (
-    Broker,
-    MongoDB,
-    eventually,
-    outcomes,
-    running,
-)
+from tests.support.broker import Broker, headers_of
+from tests.support.consumers import outcomes, running
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
 
 OUTBOX = "lily_outbox"
 EFFECTS = "effects"
@@ -61,7 +58,7 @@ def outbox_consumer(
 ) -> Consumer:
     """A consumer of ``q`` with an inbox and a fast relay (one permit; retry copies stay parked in their bucket)."""
     options.setdefault("outbox", FAST)
-    defaults = {"concurrency": 1, "prefetch": 4, "retry": RetryPolicy(max_retries=1, delays=(30,))}
+    defaults: dict[str, Any] = {"concurrency": 1, "prefetch": 4, "retry": RetryPolicy(max_retries=1, delays=(30,))}
     return broker.consumer(
         q,
         handler,
@@ -415,8 +412,9 @@ async def test_binary_header_values_are_relayed_as_byte_arrays(broker: Broker, m
         await eventually(lambda: managed.snapshot().outbox_published == 1, what="the record published", interval=0.05)
     [message] = await broker.drain(down)
     assert message.headers["x-lily-event-id"] == str(staged["one"])
-    assert bytes(message.headers["x-fingerprint"]) == b"\x00\x01"
-    assert [bytes(v) for v in message.headers["x-nested"]["raw"]] == [b"\xff"]
+    headers = headers_of(message)
+    assert bytes(headers["x-fingerprint"]) == b"\x00\x01"
+    assert [bytes(v) for v in headers["x-nested"]["raw"]] == [b"\xff"]
 
 
 async def test_a_malformed_record_is_a_failed_attempt_and_the_relay_goes_on(mongodb: MongoDB, broker: Broker) -> None:

@@ -18,7 +18,10 @@ from pymongo import monitoring
 from lily_mongo import Consumer, EventId, MongoScope, Outbox, OutboxOptions, OutboxTransaction, RetryPolicy, queue
 from lily_mongo._outbox import OutboxRelay
 from tests.integration.test_outbox import event_ids, outbox_record, relays_running
-from tests.support import Broker, CommandLog, MongoDB, eventually, running, w1_client
+from tests.support.broker import Broker
+from tests.support.consumers import running
+from tests.support.mongo import CommandLog, MongoDB, w1_client
+from tests.support.polling import eventually
 
 OUTBOX = "lily_outbox"
 WRITES = frozenset({"insert", "update", "delete", "findAndModify"})

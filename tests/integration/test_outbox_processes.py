@@ -12,48 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import datetime
-import os
 import signal
-import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-from tests.integration.test_inbox_processes import ROOT, Workers
 from tests.integration.test_outbox import event_ids, outbox_record
-from tests.support import Broker, MongoDB, eventually
+from tests.support.broker import Broker
+from tests.support.mongo import MongoDB
+from tests.support.processes import worker_processes
 
 WORKER = Path(__file__).resolve().parent / "workers" / "outbox_worker.py"
 OUTBOX = "lily_outbox"
-
-
-class OutboxWorkers(Workers):
-    """Outbox workers (a consumer or a relay) started by one test; killed at the end if still running."""
-
-    async def start(self, name: str, *args: str) -> asyncio.subprocess.Process:
-        with (self.directory / f"{name}.out").open("wb") as out, (self.directory / f"{name}.err").open("wb") as err:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                str(WORKER),
-                *args,
-                "--name",
-                name,
-                stdout=out,
-                stderr=err,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-            )
-        self.processes[name] = process
-        return process
-
-
-@contextlib.asynccontextmanager
-async def outbox_workers(directory: Path) -> AsyncIterator[OutboxWorkers]:
-    workers = OutboxWorkers(directory)
-    try:
-        yield workers
-    finally:
-        await workers.close()
 
 
 def common(broker: Broker, mongodb: MongoDB) -> list[str]:
@@ -69,14 +38,12 @@ async def test_a_consumer_killed_between_commit_and_dispatch_loses_nothing(
 ) -> None:
     q, down = broker.queue("src"), await broker.declare(broker.queue("down"))
     outbox = mongodb.db[OUTBOX]
-    async with outbox_workers(tmp_path) as workers:
+    async with worker_processes(WORKER, tmp_path) as workers:
         consumer = ["consumer", *common(broker, mongodb), "--queue", q, "--down", down, "--claim-seconds", "2"]
         a = await workers.start("consumer-a", *consumer, "--no-dispatch", "--relay", "off")
-        await workers.wait_for_record("consumer-a", "ready")
         event = await broker.publish(q)
         committed = await workers.wait_for_record("consumer-a", "committed")
-        a.send_signal(signal.SIGKILL)
-        assert await a.wait() == -signal.SIGKILL
+        await a.kill()
         # Committed with the business write, claimed by A, never published.
         [record_id] = committed["committed"]
         record = await outbox.find_one({"_id": record_id})
@@ -87,15 +54,11 @@ async def test_a_consumer_killed_between_commit_and_dispatch_loses_nothing(
         assert await mongodb.db["effects"].count_documents({"event_id": str(event)}) == 1
         assert await broker.depth(down) == 0
 
-        b = await workers.start("consumer-b", *consumer)
-        await workers.wait_for_record("consumer-b", "ready")
-
         async def published() -> bool:
             return await outbox.count_documents({"_id": record_id, "status": "published"}) == 1
 
-        await eventually(published, what="B's relay to publish A's record", interval=0.05, timeout=30.0)
-        b.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(b.wait(), 15.0) == 0, workers.stderr("consumer-b")
+        what = "B's relay to publish A's record"
+        await workers.serve_until("consumer-b", *consumer, done=published, what=what, timeout=30.0)
     [message] = await broker.drain(down)
     done = await outbox.find_one({"_id": record_id})
     assert done is not None
@@ -113,11 +76,10 @@ async def test_a_relay_killed_mid_batch_still_publishes_every_record_at_least_on
     records = [outbox_record(down, {"n": n}, seq=n) for n in range(60)]
     await outbox.insert_many(records)
     relay = ["relay", *common(broker, mongodb), "--claim-seconds", "2", "--batch-size", "20"]
-    async with outbox_workers(tmp_path) as workers:
+    async with worker_processes(WORKER, tmp_path) as workers:
         r1 = await workers.start("relay-1", *relay, "--mark-delay", "60")
         first = await workers.wait_for_record("relay-1", "published", timeout=20.0)
-        r1.send_signal(signal.SIGKILL)
-        assert await r1.wait() == -signal.SIGKILL
+        await r1.kill()
         batch = set(first["published"])
         assert len(batch) == 20
         # Published and confirmed, but never marked: still pending, claimed by the dead relay.
@@ -125,14 +87,10 @@ async def test_a_relay_killed_mid_batch_still_publishes_every_record_at_least_on
         assert {(r["status"], r["claim_owner"].split(":")[0]) for r in held} == {("pending", "relay-1")}
         assert await broker.wait_for_depth(down, 20) == 20
 
-        r2 = await workers.start("relay-2", *relay)
-
         async def all_published() -> bool:
             return await outbox.count_documents({"status": "published"}) == len(records)
 
-        await eventually(all_published, what="every record published", interval=0.05, timeout=30.0)
-        r2.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(r2.wait(), 15.0) == 0, workers.stderr("relay-2")
+        await workers.serve_until("relay-2", *relay, done=all_published, what="every record published", timeout=30.0)
     arrived = collections.Counter(event_ids(await broker.drain(down)))
     by_id = {r["_id"]: r["event_id"] for r in records}
     assert set(arrived) == set(by_id.values())  # every record at least once
@@ -148,13 +106,12 @@ async def test_a_relay_stops_gracefully_on_sigterm_and_a_second_signal_forces_it
     outbox = mongodb.db[OUTBOX]
     await outbox.insert_many([outbox_record(down, {"n": n}, seq=n) for n in range(5)])
     relay = ["relay", *common(broker, mongodb), "--claim-seconds", "30"]
-    async with outbox_workers(tmp_path) as workers:
+    async with worker_processes(WORKER, tmp_path) as workers:
         # Idle: SIGTERM stops it at once, gracefully.
         idle = await workers.start("relay-idle", *relay)
-        await workers.wait_for_record("relay-idle", "ready")
         assert await broker.wait_for_depth(down, 5) == 5
-        idle.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(idle.wait(), 15.0) == 0, workers.stderr("relay-idle")
+        ended = await idle.stop(timeout=15.0)
+        assert ended.returncode == 0, ended.describe()
         stopped = await workers.wait_for_record("relay-idle", "stopped")
         assert (stopped["succeeded"], stopped["forced"], stopped["published"]) == (True, False, 5)
 
@@ -165,8 +122,8 @@ async def test_a_relay_stops_gracefully_on_sigterm_and_a_second_signal_forces_it
         held.send_signal(signal.SIGTERM)
         await asyncio.sleep(1.0)
         assert held.returncode is None  # still waiting for its batch (graceful window 30 s)
-        held.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(held.wait(), 15.0) == 0, workers.stderr("relay-held")
+        ended = await held.stop(timeout=15.0)
+        assert ended.returncode == 0, ended.describe()
         forced = await workers.wait_for_record("relay-held", "stopped")
         assert (forced["succeeded"], forced["forced"]) == (True, True)
     # The forced batch was published, not marked: its claim expires and another relay republishes it.

@@ -15,7 +15,8 @@ import pytest
 from pymongo.results import UpdateResult
 
 from lily_mongo._outbox import protocol
-from tests.support import MongoDB
+from tests.support.mongo import MongoDB
+from tests.support.outbox import written_record
 
 SECOND = datetime.timedelta(seconds=1)
 
@@ -31,19 +32,7 @@ def aware(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def record(record_id: str, **fields: Any) -> dict[str, Any]:
-    base = protocol.new_record(
-        record_id=record_id,
-        event_id=record_id,
-        exchange="",
-        routing_key="down",
-        body=b"{}",
-        headers={"x-lily-event-id": record_id},
-        content_type="application/json",
-        writer="w",
-        written_at=now() - SECOND,
-        seq=0,
-        claim=None,
-    )
+    base = written_record(record_id, written_at=now() - SECOND)
     base.update(fields)
     return base
 
@@ -63,7 +52,7 @@ def states(*names: str) -> list[dict[str, Any]]:
 
 
 def close(a: Any, b: Any) -> bool:
-    return abs(a - b) < 2 * SECOND
+    return bool(abs(a - b) < 2 * SECOND)
 
 
 async def written(

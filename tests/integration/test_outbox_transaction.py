@@ -10,8 +10,9 @@ holds afterwards: business documents, outbox records, and how often ``fn`` ran.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -28,8 +29,9 @@ from lily_mongo import (
 )
 from lily_mongo.envelope import validate_envelope
 from lily_mongo.testing import Faults
-from tests.integration.test_inbox import behind_a_cutter
-from tests.support import Broker, CommandLog, MongoDB, w1_client
+from tests.support.broker import Broker
+from tests.support.mongo import CommandLog, MongoDB, w1_client
+from tests.support.proxy import CommitCutter, behind_a_cutter
 
 OUTBOX = "lily_outbox"
 ORDERS = "orders"
@@ -54,6 +56,24 @@ def placing(
 async def state(mongodb: MongoDB) -> tuple[int, list[dict[str, Any]]]:
     """Orders committed, and the outbox records."""
     return await mongodb.db[ORDERS].count_documents({}), await mongodb.db[OUTBOX].find({}).to_list()
+
+
+async def counts(mongodb: MongoDB) -> tuple[int, int]:
+    """Orders committed, and outbox records."""
+    orders, records = await state(mongodb)
+    return orders, len(records)
+
+
+@contextlib.asynccontextmanager
+async def outbox_behind_a_cutter(
+    mongodb: MongoDB, *, cut_requests: int = 0, cut_replies: int = 0
+) -> AsyncIterator[tuple[CommitCutter, Outbox]]:
+    """An :class:`Outbox` (one commit retry) on the test's database behind a :class:`CommitCutter` that cuts
+    that many commit requests or replies, and the cutter."""
+    async with behind_a_cutter(mongodb) as (cutter, cut):
+        outbox = Outbox(cut.client, cut.name, options=RETRY_ONCE)
+        cutter.cut_requests, cutter.cut_replies = cut_requests, cut_replies
+        yield cutter, outbox
 
 
 # -- writes only (no amqp_url) ----------------------------------------------------------------------
@@ -219,9 +239,7 @@ async def test_a_transient_error_in_fn_reruns_it_with_one_business_write_and_one
     )
     assert await outbox.transaction(placing("orders.placed", calls)) == "placed"
     assert len(calls) == 2  # the failed run had staged its record too: aborted with it
-    orders, records = await state(mongodb)
-    assert orders == 1
-    assert len(records) == 1
+    assert await counts(mongodb) == (1, 1)
 
 
 async def test_a_transient_commit_failure_reruns_fn(mongodb: MongoDB, failpoints: Faults) -> None:
@@ -230,8 +248,7 @@ async def test_a_transient_commit_failure_reruns_fn(mongodb: MongoDB, failpoints
     await failpoints.transient_commits(1)
     assert await outbox.transaction(placing("orders.placed", calls)) == "placed"
     assert len(calls) == 2
-    orders, records = await state(mongodb)
-    assert (orders, len(records)) == (1, 1)
+    assert await counts(mongodb) == (1, 1)
 
 
 async def test_transient_errors_beyond_the_retries_give_up_with_nothing_committed(
@@ -254,29 +271,23 @@ async def test_an_unknown_commit_result_is_retried_without_running_fn_again(
     await failpoints.ambiguous_commits(1)  # the retry of the same commit commits
     assert await outbox.transaction(placing("orders.placed", calls)) == "placed"
     assert calls == [1]
-    orders, records = await state(mongodb)
-    assert (orders, len(records)) == (1, 1)
+    assert await counts(mongodb) == (1, 1)
 
 
 async def test_a_lost_commit_reply_is_reconciled_from_the_transactions_own_record(mongodb: MongoDB) -> None:
     # The commit applies but its reply is lost, twice (the commit and its one retry): the record
     # read back with majority read concern proves the commit; fn is not run again.
     calls: list[int] = []
-    async with behind_a_cutter(mongodb) as (cutter, cut):
-        outbox = Outbox(cut.client, cut.name, options=RETRY_ONCE)
-        cutter.cut_replies = 2
+    async with outbox_behind_a_cutter(mongodb, cut_replies=2) as (cutter, outbox):
         assert await outbox.transaction(placing("orders.placed", calls)) == "placed"
         assert cutter.cuts == 2
     assert calls == [1]
-    orders, records = await state(mongodb)
-    assert (orders, len(records)) == (1, 1)
+    assert await counts(mongodb) == (1, 1)
 
 
 async def test_a_commit_that_never_reached_the_server_is_reported_unknown_not_rerun(mongodb: MongoDB) -> None:
     calls: list[int] = []
-    async with behind_a_cutter(mongodb) as (cutter, cut):
-        outbox = Outbox(cut.client, cut.name, options=RETRY_ONCE)
-        cutter.cut_requests = 2
+    async with outbox_behind_a_cutter(mongodb, cut_requests=2) as (_, outbox):
         with pytest.raises(CommitOutcomeUnknown, match="outbox record is not visible"):
             await outbox.transaction(placing("orders.placed", calls))
     assert calls == [1]
@@ -286,9 +297,7 @@ async def test_a_commit_that_never_reached_the_server_is_reported_unknown_not_re
 async def test_without_an_outbox_record_only_the_commit_retries_can_decide(mongodb: MongoDB) -> None:
     # Nothing to read back: a lost reply stays unknown even though the commit applied.
     calls: list[int] = []
-    async with behind_a_cutter(mongodb) as (cutter, cut):
-        outbox = Outbox(cut.client, cut.name, options=RETRY_ONCE)
-        cutter.cut_replies = 2
+    async with outbox_behind_a_cutter(mongodb, cut_replies=2) as (_, outbox):
         with pytest.raises(CommitOutcomeUnknown, match="wrote no outbox record"):
             await outbox.transaction(placing("orders.placed", calls, record=False))
     assert calls == [1]

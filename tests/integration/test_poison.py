@@ -20,7 +20,8 @@ import pytest
 
 from lily_mongo import Consumer, Json, RetryPolicy, queue
 from lily_mongo.bounds import BOUNDS
-from tests.support import Broker, wait_observations
+from tests.support.broker import Broker
+from tests.support.consumers import wait_observations
 
 SECRET = "SECRET-VALUE-"  # marks oversized header values; must never be echoed back
 

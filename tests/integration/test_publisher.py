@@ -9,7 +9,7 @@ import pytest
 
 from lily_mongo import Bytes, Consumer, Publisher, TransportError, queue
 from lily_mongo._errors import PublishError
-from tests.support import BrokerNames, drain
+from tests.support.broker import BrokerNames, drain
 
 
 async def test_json_publish_arrives_with_canonical_headers(

@@ -62,6 +62,13 @@ def claimed(record: dict[str, Any] | None, owner: str, now: datetime.datetime) -
     )
 
 
+def claim_kind(record: dict[str, Any] | None, owner: str, now: datetime.datetime) -> records.ClaimKind:
+    """The kind of claim ``owner`` reads back from what its claim at ``now`` makes of ``record``."""
+    made = claimed(record, owner, now)
+    assert made is not None
+    return records.read_claim(made, owner).kind
+
+
 @pytest.fixture
 async def collection(mongo_client: AsyncMongoClient[Any], database_name: str) -> Any:
     return mongo_client[database_name]["records"]
@@ -205,7 +212,7 @@ async def test_counting_is_its_transition(collection: Any, case: str, counter: s
     assert after == expected
     assert records.read_count(after, counter) == records.read_count(before, counter) + 1
     if before is None:  # a counting record: the next claim takes it as a free lease, the count kept
-        assert records.read_claim(claimed(after, "me:1", now), "me:1").kind is records.ClaimKind.LEASED
+        assert claim_kind(after, "me:1", now) is records.ClaimKind.LEASED
         assert first_claim.read_first_claim(after) is first_claim.FirstClaim.CONTENDED
 
 
@@ -226,4 +233,4 @@ async def test_a_cancelled_attempts_release_keeps_what_the_record_counts(
     after = await collection.find_one({"_id": "h|e"})
     assert update.matched_count == 1
     assert after == records.released_transition(mine, "me:1", 4, now=after["expires_at"])
-    assert records.read_claim(claimed(after, "me:2", now), "me:2").kind is records.ClaimKind.LEASED
+    assert claim_kind(after, "me:2", now) is records.ClaimKind.LEASED

@@ -8,7 +8,6 @@ running; the command publishes them once, with the canonical envelope, serves
 from __future__ import annotations
 
 import asyncio
-import signal
 import uuid
 from pathlib import Path
 
@@ -19,9 +18,11 @@ from typer.testing import CliRunner
 from lily_mongo import Outbox, OutboxTransaction
 from lily_mongo._cli.app import app as cli_app
 from lily_mongo.envelope import validate_envelope
-from tests.integration.test_cli import cli_env, cli_process, finish, one_error_line, run_cli
-from tests.integration.test_cli_http import free_port, get
-from tests.support import Broker, MongoDB, eventually, logging_restored
+from tests.support.broker import Broker
+from tests.support.cli import cli_env, cli_process, logging_restored, one_error_line, run_cli
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
+from tests.support.probes import answers, free_port, get
 
 OUTBOX = "lily_outbox"
 
@@ -55,10 +56,8 @@ async def test_records_written_without_a_consumer_are_delivered_once_by_the_rela
         assert await broker.wait_for_depth(down, 2, timeout=30.0) == 2
 
         async def ready() -> bool:
-            if process.returncode is not None:
-                raise AssertionError(f"the relay exited {process.returncode}")
-            answer = await get(session, f"http://127.0.0.1:{port}/readyz")
-            return answer is not None and answer[0] == 200
+            await process.check_running()
+            return await answers(session, f"http://127.0.0.1:{port}/readyz")
 
         await eventually(ready, what="/readyz 200", interval=0.05)
 
@@ -68,8 +67,7 @@ async def test_records_written_without_a_consumer_are_delivered_once_by_the_rela
 
         await eventually(metrics_show_two, what="two records published in /metrics", interval=0.1)
         await asyncio.sleep(0.5)  # several polls: nothing is published twice
-        process.send_signal(signal.SIGTERM)
-        result = await finish(process, ["lily-mongo", "relay"], timeout=30)
+        result = await process.stop(timeout=30)
     assert result.returncode == 0, result.describe()
     assert "relay_stop" in result.stdout
     assert "shutdown succeeded" in result.stdout

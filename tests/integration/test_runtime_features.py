@@ -43,14 +43,9 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo._topology import declare_topology
-from tests.support import (
-    Broker,
-    eventually,
-    new_tasks,
-    outcomes,
-    queue_exists,
-    running,
-)
+from tests.support.broker import Broker, queue_exists
+from tests.support.consumers import new_tasks, outcomes, running
+from tests.support.polling import eventually
 
 CallNext = Callable[[], Awaitable[None]]
 PARKED = RetryPolicy(max_retries=1, delays=(30,))  # a retry copy would stay in its bucket for the whole test
@@ -437,7 +432,7 @@ async def test_quorum_topology_and_a_retry_then_success(broker: Broker) -> None:
         await eventually(lambda: outcomes(managed) == ["retried", "acked"], what="retry then success")
     assert seen == [0, 1]
     assert {o.event_id for o in managed.delivery_terminal_observations()} == {event}
-    expected = {
+    expected: dict[str, dict[str, Any]] = {
         q: {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": f"{q}.dlq"},
         f"{q}.retry.0": {"x-message-ttl": 200, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": q},
         f"{q}.dlq": {},

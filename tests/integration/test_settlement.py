@@ -23,6 +23,7 @@ import aio_pika.abc
 import pamqp.decode
 import pydantic
 import pytest
+from pamqp.common import FieldTable
 
 from lily_mongo import (
     EventId,
@@ -35,7 +36,9 @@ from lily_mongo import (
     TerminalObservation,
     queue,
 )
-from tests.support import Broker, eventually, running, wait_observations
+from tests.support.broker import Broker, headers_of
+from tests.support.consumers import running, wait_observations
+from tests.support.polling import eventually
 
 LONG_DELAY = 30.0  # long enough to inspect a retry copy in its bucket before the TTL sends it back
 
@@ -348,7 +351,7 @@ async def test_handoff_failure_requeues_then_the_broker_dead_letters(broker: Bro
         await broker.channel.queue_delete(bucket)
         if how == "nacked":
             # A bucket that refuses every message: the broker answers the publish with basic.nack.
-            refusing = {"x-max-length": 0, "x-overflow": "reject-publish"}
+            refusing: FieldTable = {"x-max-length": 0, "x-overflow": "reject-publish"}
             await broker.channel.declare_queue(bucket, durable=True, arguments=refusing)
 
     run = await settle(
@@ -377,10 +380,10 @@ async def test_handoff_failure_requeues_then_the_broker_dead_letters(broker: Bro
     if how == "nacked":
         assert await broker.depth(f"{q}.retry.0") == 0
     copies = await broker.drain(f"{q}.dlq")
-    assert sorted(c.headers["x-lily-event-id"] for c in copies) == sorted(str(e) for e in run.event_ids)
+    assert sorted(headers_of(c)["x-lily-event-id"] for c in copies) == sorted(str(e) for e in run.event_ids)
     for copy in copies:
         assert "x-lily-failure-code" not in copy.headers  # the original itself, dead-lettered by the broker
-        [death] = copy.headers["x-death"]
+        [death] = headers_of(copy)["x-death"]
         assert death["reason"] == "rejected"
         assert death["queue"] == q
 
@@ -616,7 +619,7 @@ async def test_body_over_max_body_is_dead_lettered_by_the_broker(broker: Broker)
     [copy] = await broker.drain(f"{q}.dlq")
     assert copy.headers["x-lily-event-id"] == str(big)
     assert "x-lily-failure-code" not in copy.headers
-    [death] = copy.headers["x-death"]
+    [death] = headers_of(copy)["x-death"]
     assert (death["reason"], death["queue"]) == ("rejected", q)
     assert len(copy.body) > 64
 
@@ -709,7 +712,7 @@ async def test_dlq_copy_keeps_the_original_message_properties(broker: Broker) ->
 
     consumer = broker.consumer(q, refuse, retry=RetryPolicy(max_retries=0, delays=()))
     sent_at = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
-    headers = {
+    headers: aio_pika.abc.HeadersType = {
         "x-lily-event-id": str(uuid.uuid4()),
         "x-lily-schema-version": "1",
         "x-lily-content-kind": "json",

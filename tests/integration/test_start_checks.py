@@ -21,7 +21,8 @@ from lily_mongo import Consumer, Json, MongoScope, queue
 from lily_mongo._errors import TransportError
 from lily_mongo._mongo import check_mongo
 from lily_mongo.testing import Faults
-from tests.support import Broker, close_client, consumer_count
+from tests.support.broker import Broker, consumer_count
+from tests.support.mongo import close_client
 
 
 async def checked(uri: str, *, transactions: bool = True, timeout: float = 1.0) -> TransportError:

@@ -44,7 +44,11 @@ from lily_mongo import (
 from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.telemetry import Telemetry
 from lily_mongo.testing import Faults
-from tests.support import Broker, MongoDB, accepting, eventually, running, wait_observations
+from tests.support.broker import Broker, headers_of
+from tests.support.consumers import running, wait_observations
+from tests.support.handlers import accepting
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -82,7 +86,7 @@ def telemetry(sdk: Sdk) -> Telemetry:
 
 def consumer_for(broker: Broker, q: str, handler: Any, *, telemetry: Telemetry | bool, **options: Any) -> Consumer:
     """A consumer of ``q`` reporting to ``telemetry`` (two permits, no retries unless ``options`` say)."""
-    defaults = {
+    defaults: dict[str, Any] = {
         "name": "telemetry-test",
         "concurrency": 2,
         "prefetch": 4,
@@ -308,7 +312,7 @@ async def test_an_outbox_event_arrives_in_the_trace_of_the_delivery_that_wrote_i
     assert dict(delivery.attributes or {})["lily.handler.id"] == f"{q}/inbox"
     # The event carries a traceparent of the same trace: the relay span's own.
     assert event.headers["traceparent"] == hex_traceparent(relay)
-    assert event.headers["traceparent"].split("-")[1] == TRACE_ID
+    assert headers_of(event)["traceparent"].split("-")[1] == TRACE_ID
     record = await mongodb.db["lily_outbox"].find_one({})
     assert record is not None
     assert record["headers"]["traceparent"] == hex_traceparent(attempt)
@@ -340,7 +344,7 @@ async def test_an_event_written_outside_a_handler_and_relayed_stays_in_the_write
     assert parent_id(publish) == request.context.span_id
     assert publish.context.trace_id == request.context.trace_id
     # The same trace and span ids (the flags are the request span's own: a root span may set more than "sampled").
-    assert event.headers["traceparent"][:52] == hex_traceparent(publish)[:52]
+    assert headers_of(event)["traceparent"][:52] == hex_traceparent(publish)[:52]
     [series] = [h for h in telemetry.histograms() if h.name == "lily_outbox_relay_lag_seconds"]
     assert [dict(d.labels) for d in series.data() if d.count] == [{"path": "relay"}]
 

@@ -29,7 +29,7 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.testing import DeliveryResult, Faults, TestConsumer, check_idempotent
-from tests.support import MongoDB
+from tests.support.mongo import MongoDB
 
 NO_BROKER = "amqp://guest:guest@127.0.0.1:1/"
 

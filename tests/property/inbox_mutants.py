@@ -35,7 +35,7 @@ import types
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import lily_mongo._inbox as shipped_inbox
@@ -45,6 +45,9 @@ import lily_mongo._mongo.rules as rules
 from lily_mongo._inbox.first_claim import FirstClaim
 from lily_mongo._inbox.protocol import COMPLETED, LEASED, Claim, ClaimKind, Heartbeat, Reconciled
 from lily_mongo._mongo.rules import ErrorStep
+
+if TYPE_CHECKING:
+    from tests.property.test_inbox_model import Config, Move
 
 Record = Any
 PACKAGE = Path(shipped_inbox.__file__).parent.parent  # lily_mongo/
@@ -681,7 +684,8 @@ def hunt(machine: type[Any], examples: int, *, derandomize: bool = True) -> Foun
     )
 
     def scenario(case: Any) -> Callable[[], object]:
-        return lambda: play(*case.values[:2], machine_class=machine)
+        cfg, moves, _ = scenario_parts(case)
+        return lambda: play(cfg, moves, machine_class=machine)
 
     def random_runs() -> None:
         run_state_machine_as_test(machine, settings=budget)
@@ -738,14 +742,21 @@ def against(path: Path, examples: int) -> int:
         return _play_all(machine, examples)
 
 
+def scenario_parts(case: Any) -> tuple[Config, list[Move], str]:
+    """A scenario's configuration, its moves and the trace line it reaches (a ``SCENARIOS`` pytest param)."""
+    cfg, moves, reaches = case.values
+    return cfg, moves, reaches
+
+
 def _play_all(machine: type[Any], examples: int) -> int:
     from tests.property.test_inbox_model import SCENARIOS, play
 
     failures = 0
     for case in SCENARIOS:
         try:
-            machine_run = play(*case.values[:2], machine_class=machine)
-            reached = any(case.values[2] in line for line in machine_run.trace)
+            cfg, moves, reaches = scenario_parts(case)
+            machine_run = play(cfg, moves, machine_class=machine)
+            reached = any(reaches in line for line in machine_run.trace)
             print(f"{case.id:52} passes{'' if reached else ' (without reaching its end)'}")
         except Exception as exc:
             failures += 1

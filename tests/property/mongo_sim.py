@@ -218,7 +218,7 @@ def evaluate(update: Any, record: Doc | None, flt: Doc, key: str, now: datetime.
             retention_seconds=(fields["purge_at"] - fields["completed_at"]).total_seconds(),
         )
     if name == "handler-write":
-        doc = copy.deepcopy(record) if record is not None else {"_id": key}
+        doc: Doc = copy.deepcopy(record) if record is not None else {"_id": key}
         for name_, value in update["$push"].items():
             doc[name_] = [*doc.get(name_, []), [*value, tid]]
         return doc
@@ -757,7 +757,10 @@ class SimCollection:
     ) -> Doc | None:
         fields = {"kind": "find_one_and_update", "filter": dict(filter), "update": update, "upsert": upsert}
         fields |= {"after": bool(return_document), "projection": projection, "txn": self._txn(session)}
-        return await self.client.send({**fields, "collection": self.name, "majority": self._majority_write()})
+        found: Doc | None = await self.client.send(
+            {**fields, "collection": self.name, "majority": self._majority_write()}
+        )
+        return found
 
     async def update_one(
         self, filter: Doc, update: Any, upsert: bool = False, *, session: SimSession | None = None, **_: Any
@@ -777,7 +780,8 @@ class SimCollection:
     ) -> Doc | None:
         majority = self.read_concern is not None and self.read_concern.level == "majority"
         fields = {"kind": "find_one", "filter": dict(filter), "projection": projection, "txn": self._txn(session)}
-        return await self.client.send({**fields, "collection": self.name, "majority": majority})
+        found: Doc | None = await self.client.send({**fields, "collection": self.name, "majority": majority})
+        return found
 
 
 class _ServerSession:

@@ -270,6 +270,18 @@ async def play(scenario: Scenario) -> tuple[World, list[Delivery], list[BrokerCh
         running.append(loop.create_task(delivery.run()))
         if (i + 1) % scenario.stagger == 0:
             await asyncio.sleep(0)
+    await wind_down(world, channels, coalescers, running, background)
+    return world, deliveries, channels
+
+
+async def wind_down(
+    world: World,
+    channels: list[BrokerChannel],
+    coalescers: list[AckCoalescer],
+    running: list[asyncio.Task[None]],
+    background: list[asyncio.Task[Any]],
+) -> None:
+    """Every delivery ends; a graceful end writes what is pending; then the channels close."""
     async with asyncio.timeout(2):  # an example takes milliseconds: a hang is a failure
         await asyncio.gather(*running)
         # A graceful end: what is pending is written before the channels close.
@@ -281,7 +293,6 @@ async def play(scenario: Scenario) -> tuple[World, list[Delivery], list[BrokerCh
     for channel in channels:
         if not channel.is_closed:
             channel.lose()  # closing at the end: the broker requeues what nobody settled
-    return world, deliveries, channels
 
 
 @EXAMPLES

@@ -393,6 +393,15 @@ def test_retry_count_that_is_not_an_int_in_range_is_rejected(value: object) -> N
 # --- bytes, not characters --------------------------------------------------------
 
 
+def accepted_within(outcome: Envelope | EnvelopeError, within: bool, code: str) -> None:
+    """Accepted when the input is ``within`` its bound, else refused with ``code``."""
+    if within:
+        assert isinstance(outcome, Envelope)
+    else:
+        assert isinstance(outcome, EnvelopeError)
+        assert outcome.code == code
+
+
 @FAST
 @given(
     char=st.sampled_from(["a", "\u00e9", "\u20ac", "\U0001f600"]),
@@ -401,11 +410,7 @@ def test_retry_count_that_is_not_an_int_in_range_is_rejected(value: object) -> N
 def test_value_bound_is_in_utf8_bytes(char: str, count: int) -> None:
     value = char * count
     outcome = check_total({**valid_headers(), "x-custom": value}, 0)
-    if len(value.encode("utf-8")) <= BOUNDS.header_value_bytes:
-        assert isinstance(outcome, Envelope)
-    else:
-        assert isinstance(outcome, EnvelopeError)
-        assert outcome.code == BOUNDS_EXCEEDED
+    accepted_within(outcome, len(value.encode("utf-8")) <= BOUNDS.header_value_bytes, BOUNDS_EXCEEDED)
 
 
 @FAST
@@ -416,22 +421,13 @@ def test_value_bound_is_in_utf8_bytes(char: str, count: int) -> None:
 def test_key_bound_is_in_utf8_bytes(char: str, count: int) -> None:
     key = char * count
     outcome = check_total({**valid_headers(), key: "v"}, 0)
-    if len(key.encode("utf-8")) <= BOUNDS.header_key_bytes:
-        assert isinstance(outcome, Envelope)
-    else:
-        assert isinstance(outcome, EnvelopeError)
-        assert outcome.code == BOUNDS_EXCEEDED
+    accepted_within(outcome, len(key.encode("utf-8")) <= BOUNDS.header_key_bytes, BOUNDS_EXCEEDED)
 
 
 @FAST
 @given(body_size=st.integers(0, 4 * BOUNDS.queue_body_default), max_body=st.integers(0, 2 * BOUNDS.queue_body_default))
 def test_body_bound(body_size: int, max_body: int) -> None:
-    outcome = check_total(valid_headers(), body_size, max_body)
-    if body_size <= max_body:
-        assert isinstance(outcome, Envelope)
-    else:
-        assert isinstance(outcome, EnvelopeError)
-        assert outcome.code == BODY_TOO_LARGE
+    accepted_within(check_total(valid_headers(), body_size, max_body), body_size <= max_body, BODY_TOO_LARGE)
 
 
 # -- the accept-only fast path agrees with the full checks ------------------------------------------

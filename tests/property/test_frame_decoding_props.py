@@ -27,7 +27,8 @@ from lily_mongo._amqp.codec import decode_frame
 from lily_mongo._amqp.lenient import LenientFrameReader
 from lily_mongo._amqp.patches import FastFrameReceiver
 from lily_mongo._amqp.receiver import unmarshal_frame
-from tests.support import same, short_bytes
+from tests.support.equality import same
+from tests.support.frames import short_bytes
 
 
 def wire(channel: int, kind: int, payload: bytes, end: bytes = b"\xce") -> bytes:

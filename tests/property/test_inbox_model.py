@@ -1156,38 +1156,8 @@ class InboxModel(RuleBasedStateMachine):
         cfg = self.config()
         result, msg = execution.result, h.msg
         h.result = result
-        own = h.own_commit()
         self.log(f"{h.label} concludes {result.outcome.value} {result.code or ''}".rstrip())
-        if own is not None and not h.cut_off:
-            # Its commit applied: a success, or (the reply and the majority read both failed
-            # to show it) an ambiguous deferral; the next delivery's claim finds it completed.
-            self.expect(
-                result.outcome is Outcome.SUCCESS or result.code == ErrorCode.COMMIT_AMBIGUOUS,
-                "reconciliation",
-                f"{h.label}'s own commit (txn {own.tid}) applied, yet it concluded "
-                f"{result.outcome.value} ({result.code})",
-            )
-        if result.code == ErrorCode.HANDLER_TIMEOUT:
-            self.expect(
-                h.runs or not h.cut_while_held,
-                "waits-are-not-retries",
-                f"{h.label} spends an application retry on a timeout: its handler never ran, the server held "
-                "its operation (a wait behind a transaction or for the majority) until the deadline",
-            )
-        if result.code == ErrorCode.COMMIT_AMBIGUOUS:
-            self.expect(
-                h.unknown_commits,
-                "replay",
-                f"{h.label} deferred COMMIT_AMBIGUOUS although no commit of its answered an unknown result",
-            )
-        if result.code == ErrorCode.MONGO_ERROR:
-            self.expect(h.unlabelled, "replay", f"{h.label} deferred MONGO_ERROR after labelled errors only")
-        if result.code == ErrorCode.REPLAY_BUDGET_SPENT:
-            self.expect(
-                h.txn_failures >= cfg.replay_budget + 1,
-                "replay",
-                f"{h.label} spent its replay budget ({cfg.replay_budget}) after {h.txn_failures} failed transactions",
-            )
+        self.check_conclusion(h, result)
         deferrals = execution.deferrals
         if result.outcome is Outcome.DEFERRED:
             # The runtime's rule (runtime._settle): the record's count, or this process's own;
@@ -1241,6 +1211,41 @@ class InboxModel(RuleBasedStateMachine):
             self.publish(msg.event, retry_count=retry_copy)
         else:
             self.expect(terminal == "dead_lettered", "conservation", f"{h.label} ended {terminal}")
+
+    def check_conclusion(self, h: Handling, result: PipelineResult) -> None:
+        """What an attempt's verdict must agree with: its own commit, and the errors it met."""
+        cfg = self.config()
+        own = h.own_commit()
+        if own is not None and not h.cut_off:
+            # Its commit applied: a success, or (the reply and the majority read both failed
+            # to show it) an ambiguous deferral; the next delivery's claim finds it completed.
+            self.expect(
+                result.outcome is Outcome.SUCCESS or result.code == ErrorCode.COMMIT_AMBIGUOUS,
+                "reconciliation",
+                f"{h.label}'s own commit (txn {own.tid}) applied, yet it concluded "
+                f"{result.outcome.value} ({result.code})",
+            )
+        if result.code == ErrorCode.HANDLER_TIMEOUT:
+            self.expect(
+                h.runs or not h.cut_while_held,
+                "waits-are-not-retries",
+                f"{h.label} spends an application retry on a timeout: its handler never ran, the server held "
+                "its operation (a wait behind a transaction or for the majority) until the deadline",
+            )
+        if result.code == ErrorCode.COMMIT_AMBIGUOUS:
+            self.expect(
+                h.unknown_commits,
+                "replay",
+                f"{h.label} deferred COMMIT_AMBIGUOUS although no commit of its answered an unknown result",
+            )
+        if result.code == ErrorCode.MONGO_ERROR:
+            self.expect(h.unlabelled, "replay", f"{h.label} deferred MONGO_ERROR after labelled errors only")
+        if result.code == ErrorCode.REPLAY_BUDGET_SPENT:
+            self.expect(
+                h.txn_failures >= cfg.replay_budget + 1,
+                "replay",
+                f"{h.label} spent its replay budget ({cfg.replay_budget}) after {h.txn_failures} failed transactions",
+            )
 
     def check_ack(self, h: Handling, result: PipelineResult) -> None:
         key = self.key_of(h.msg.event)

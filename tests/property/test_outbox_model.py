@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from lily_mongo._outbox import protocol
+from tests.support.outbox import written_record
 
 MODEL = settings(
     max_examples=int(os.environ.get("LILY_MODEL_EXAMPLES", "250")),
@@ -96,18 +97,8 @@ class OutboxModel(RuleBasedStateMachine):
         ids = []
         for seq in range(size):
             record_id = f"{txn}.{seq}"
-            record = protocol.new_record(
-                record_id=record_id,
-                event_id=record_id,
-                exchange="",
-                routing_key="down",
-                body=b"",
-                headers={},
-                content_type=None,
-                writer="w",
-                written_at=self.now,
-                seq=seq,
-                claim=claim,
+            record = written_record(
+                record_id, written_at=self.now, seq=seq, claim=claim, body=b"", headers={}, content_type=None
             )
             self.records[record_id] = record
             ids.append(record_id)

@@ -27,7 +27,7 @@ from lily_mongo import Bytes, Consumer, Json, RetryPolicy, Text, queue
 from lily_mongo._plan.plan import Plan
 from lily_mongo.asyncapi import asyncapi_document
 from lily_mongo.publisher import BINARY, JSON, TEXT, prepare_publication
-from tests.support import resolve, version_and_content
+from tests.support.asyncapi import resolve, version_and_content
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1/"
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "data" / "asyncapi-3.0.0.schema.json"
@@ -298,7 +298,7 @@ def test_payload_schema_with_references_accepts_and_rejects_instances(shop: dict
         if version_and_content(resolve(shop, ref["$ref"])) == ("1", "json")
     ]
     check = payload_validator(shop, v1_ref)
-    good = {
+    good: dict[str, Any] = {
         "order_id": "o-1",
         "customer": {"customer_ref": "c-9", "billing_address": {"street_line": "1 Main St", "postcode": "12345"}},
         "lines": [{"sku": "SKU-1", "quantity": 2}],
@@ -485,11 +485,11 @@ def test_queues_whose_sanitized_names_collide_keep_separate_channels() -> None:
 
 def test_same_named_nested_models_in_two_versions_stay_distinct() -> None:
     @queue("baskets", version=1, content="json")
-    async def on_v1(basket: Json[BasketV1]) -> None:
+    async def on_v1(basket: Json[BasketV1]) -> None:  # type: ignore[valid-type]  # a class made at run time
         pass
 
     @queue("baskets", version=2, content="json")
-    async def on_v2(basket: Json[BasketV2]) -> None:
+    async def on_v2(basket: Json[BasketV2]) -> None:  # type: ignore[valid-type]  # a class made at run time
         pass
 
     document = asyncapi_document(plan_of(on_v1, on_v2))

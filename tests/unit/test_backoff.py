@@ -76,7 +76,7 @@ def pause(monkeypatch: pytest.MonkeyPatch, budget: Budget, evidence: Evidence, *
     async def sleep(delay: float) -> None:
         slept.append(delay)
 
-    monkeypatch.setattr(effects_module.asyncio, "sleep", sleep)
+    monkeypatch.setattr("lily_mongo._engine.effects.asyncio.sleep", sleep)
     execution = Execution(PipelineResult(Outcome.DEFERRED), backoff_limit=options.pop("backoff_limit", None))
     queue_options = SimpleNamespace(cooperation_window=options.pop("cooperation_window", 5.0))
     delivery = SimpleNamespace(execution=execution, qs=SimpleNamespace(options=queue_options))

@@ -34,6 +34,7 @@ from lily_mongo._plan.options import QueueOptions
 from lily_mongo._plan.plan import Plan, PlanBuilder
 from lily_mongo._plan.routes import HandlerRoute, queue
 from lily_mongo._verdicts import Outcome, PipelineResult
+from tests.support.messages import Unsettled
 
 Handler = Callable[..., Awaitable[None]]
 QUEUE = "orders"
@@ -47,7 +48,7 @@ class Order(pydantic.BaseModel):
     order_id: str
 
 
-class Message:
+class Message(Unsettled):
     """What ``prepare`` reads of one delivery."""
 
     def __init__(self, body: bytes = b'{"order_id": "o1"}', headers: dict[str, Any] | None = None) -> None:
@@ -262,7 +263,8 @@ def test_each_depends_parameter_counts_once_toward_the_parameter_bound() -> None
         params = ", ".join(f"p{i}: Annotated[int, Depends(value)]" for i in range(count))
         namespace: dict[str, Any] = {}
         exec(f"async def handler({params}) -> None: ...", globals(), namespace)
-        return queue(QUEUE, version=1)(namespace["handler"])
+        handler: Handler = namespace["handler"]
+        return queue(QUEUE, version=1)(handler)
 
     route = route_of(make(PARAMETERS))
     assert (len(route.parameters), len(route.dependencies)) == (PARAMETERS, 1)
@@ -425,29 +427,25 @@ async def test_cleanups_run_on_failure_see_it_and_the_verdict_keeps_the_exceptio
     assert events == ["open connection", f"connection saw {type(error).__name__}", "close connection"]
 
 
+def handler_failure(result: PipelineResult) -> str:
+    """The reason of an attempt that failed as a handler does (retryable, ``QUEUE_HANDLER_FAILED``)."""
+    assert (result.outcome, result.code) == (Outcome.RETRYABLE, HANDLER_FAILED), result
+    return result.reason
+
+
 async def test_a_cleanup_cannot_swallow_the_failure() -> None:
     @queue(QUEUE, version=1)
     async def handler(f: Annotated[None, Depends(forgiving)]) -> None:
         raise RuntimeError("still a failure")
 
-    result = await attempt(handler)
-    assert (result.outcome, result.code, result.reason) == (
-        Outcome.RETRYABLE,
-        HANDLER_FAILED,
-        "RuntimeError: still a failure",
-    )
+    assert handler_failure(await attempt(handler)) == "RuntimeError: still a failure"
 
 
 async def test_a_failing_cleanup_fails_the_attempt() -> None:
     @queue(QUEUE, version=1)
     async def handler(f: Annotated[None, Depends(leaky)]) -> None: ...
 
-    result = await attempt(handler)
-    assert (result.outcome, result.code, result.reason) == (
-        Outcome.RETRYABLE,
-        HANDLER_FAILED,
-        "OSError: could not close",
-    )
+    assert handler_failure(await attempt(handler)) == "OSError: could not close"
 
 
 async def test_a_replayed_error_passes_through_after_the_cleanups_ran() -> None:

@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-import pydantic
 import pytest
 
 from lily_mongo import (
@@ -27,8 +26,6 @@ from lily_mongo import (
     Json,
     QueueHandlerError,
     RawDelivery,
-    Redelivered,
-    RetryCount,
     Text,
 )
 from lily_mongo._engine.dispatch import Prepared, Rejected, arguments, invoke, prepare, select_route
@@ -38,6 +35,8 @@ from lily_mongo._plan.options import QueueOptions
 from lily_mongo._plan.plan import Plan, PlanBuilder
 from lily_mongo._plan.routes import HandlerRoute, queue
 from lily_mongo._verdicts import Outcome, PipelineResult
+from tests.support.handlers import Order, taking_every_kind
+from tests.support.messages import Unsettled
 
 Handler = Callable[..., Awaitable[None]]
 
@@ -63,13 +62,8 @@ REASON_MAX_CHARS = 600
 ORDER_BODY = b'{"order_id": 7, "lines": ["book", "pen"]}'
 
 
-class Order(pydantic.BaseModel):
-    order_id: int
-    lines: list[str]
-
-
 @dataclass
-class Message:
+class Message(Unsettled):
     """What ``prepare`` reads of one delivery (the AMQP adapter's message, here a plain record)."""
 
     headers: dict[str, Any]
@@ -714,18 +708,7 @@ async def test_each_attempt_gets_a_fresh_context() -> None:
 
 async def test_every_parameter_kind_receives_its_value_and_the_scope_goes_to_mongo_scope() -> None:
     received: dict[str, Any] = {}
-
-    async def on_order(
-        order: Json[Order],
-        event_id: EventId,
-        retries: RetryCount,
-        redelivered: Redelivered,
-        raw: RawDelivery,
-        mongo: MongoScope,
-    ) -> None:
-        received.update(order=order, event_id=event_id, retries=retries, redelivered=redelivered, raw=raw, mongo=mongo)
-
-    plan = build(queue(QUEUE, version=1)(on_order))
+    plan = build(queue(QUEUE, version=1)(taking_every_kind(received)))
     prepared = accepted(plan, Message(envelope(x_retry_count=3), redelivered=True))
     scope = object()  # stands for the attempt's MongoScope
     result = await invoke(prepared.route, prepared.delivery, attempt=1, scope=scope, payload=prepared.payload)

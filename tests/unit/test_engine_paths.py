@@ -118,9 +118,8 @@ async def test_a_handler_that_returns_within_the_window_keeps_its_own_verdict() 
     assert message.settled == ["ack"]
 
 
-async def test_a_handler_that_ignores_the_cancellation_is_dropped_and_its_late_result_discarded() -> None:
-    release = asyncio.Event()
-    returned = asyncio.Event()
+def stubborn(release: asyncio.Event, returned: asyncio.Event) -> Callable[[Any], Awaitable[None]]:
+    """A handler that ignores every cancellation until ``release`` is set, then sets ``returned``."""
 
     async def handler(body: Json[dict[str, Any]]) -> None:
         while not release.is_set():
@@ -130,7 +129,12 @@ async def test_a_handler_that_ignores_the_cancellation_is_dropped_and_its_late_r
                 continue  # ignores every cancellation
         returned.set()
 
-    engine, copies = make_engine(handler)
+    return handler
+
+
+async def test_a_handler_that_ignores_the_cancellation_is_dropped_and_its_late_result_discarded() -> None:
+    release, returned = asyncio.Event(), asyncio.Event()
+    engine, copies = make_engine(stubborn(release, returned))
     message = Message()
     delivering = asyncio.ensure_future(engine.deliver(Q, message))
     await until(lambda: len(engine.observations) == 1)
@@ -154,15 +158,7 @@ async def test_a_handler_that_ignores_the_cancellation_is_dropped_and_its_late_r
 
 async def test_after_a_forced_shutdown_an_unsettled_delivery_is_recorded_unresolved_once() -> None:
     release = asyncio.Event()
-
-    async def handler(body: Json[dict[str, Any]]) -> None:
-        while not release.is_set():
-            try:
-                await release.wait()
-            except asyncio.CancelledError:
-                continue
-
-    engine, _ = make_engine(handler, deadline=60.0)
+    engine, _ = make_engine(stubborn(release, asyncio.Event()), deadline=60.0)
     delivering = asyncio.ensure_future(engine.deliver(Q, Message()))
     await until(lambda: bool(engine.unsettled()))
     engine.force_notice()
@@ -180,12 +176,12 @@ async def test_the_engine_phase_only_moves_forward() -> None:
         pass
 
     engine, _ = make_engine(handler)
-    assert engine.phase is Phase.RUNNING
+    first = engine.phase
     engine.revoke()
     engine.stop_accepting()
     await engine.return_buffered()
     engine.force_notice()
-    assert engine.phase is Phase.REVOKED
+    assert (first, engine.phase) == (Phase.RUNNING, Phase.REVOKED)
     assert not engine.accepting
 
 

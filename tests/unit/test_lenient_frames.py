@@ -22,11 +22,13 @@ from pamqp import body as pamqp_body
 from pamqp import commands as spec
 from pamqp import frame as pamqp_frame
 from pamqp import header as pamqp_header
+from pamqp.common import FieldTable
 from pamqp.heartbeat import Heartbeat
 
 from lily_mongo._amqp import MALFORMED_HEADER, AmqpMessage, LenientFrameReader, LilyProperties, patches
 from lily_mongo._amqp.patches import FastFrameReceiver, unbounded_frame_queue
-from tests.support import long_string_value, raw_properties, raw_table, same, short_bytes
+from tests.support.equality import same
+from tests.support.frames import long_string_value, raw_properties, raw_table, short_bytes
 from tests.versions import untested
 
 # aiormq's own receiver, as the module defined it (once the fast path is active the global
@@ -279,12 +281,15 @@ async def test_the_stock_receiver_still_reads_leniently() -> None:
     stream.feed_eof()
     receiver = aiormq.connection.FrameReceiver(LenientFrameReader(stream))  # type: ignore[arg-type]
     (_, _, method), (_, _, header) = [await receiver.get_frame() for _ in range(2)]
+    assert isinstance(method, spec.Basic.Deliver)
+    assert isinstance(header, pamqp_header.ContentHeader)
     assert method.routing_key == "orders.\ufffd"
+    assert header.properties.headers is not None
     assert header.properties.headers[MALFORMED_HEADER] == "the routing key is not valid UTF-8"
 
 
 def test_an_inbound_message_takes_the_mark_out_of_its_headers() -> None:
-    headers = {"x-lily-event-id": EVENT_ID, MALFORMED_HEADER: "a header name is not valid UTF-8"}
+    headers: FieldTable = {"x-lily-event-id": EVENT_ID, MALFORMED_HEADER: "a header name is not valid UTF-8"}
     delivered = aiormq.abc.DeliveredMessage(
         delivery=spec.Basic.Deliver("ctag", 1, False, "", "q"),
         header=pamqp_header.ContentHeader(0, 0, spec.Basic.Properties(headers=headers)),

@@ -25,11 +25,10 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.testing import TestConsumer
+from tests.support.resources import Events, per_attempt
 
 CLOSED_PORT = "amqp://guest:guest@127.0.0.1:1/"
 QUEUE = "notes"
-
-Events = Annotated[list[str], Resource("events")]
 
 
 def lifespan_recording(events: list[str], **resources: Any) -> Any:
@@ -42,14 +41,6 @@ def lifespan_recording(events: list[str], **resources: Any) -> Any:
             events.append("exit")
 
     return lifespan
-
-
-async def per_attempt(events: Events) -> AsyncIterator[str]:
-    events.append("set up")
-    try:
-        yield "resource"
-    finally:
-        events.append("clean up")
 
 
 @queue(QUEUE, version=1, guarantee="at_least_once")

@@ -8,7 +8,9 @@ figures the docs state (one mark write per ``batch_size`` records or per
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from lily_mongo._errors import PublishError
 from lily_mongo._outbox import FixedTransport, OutboxCounters, OutboxDispatcher, OutboxOptions, OutboxRelay, protocol
 from lily_mongo._outbox import dispatcher as dispatcher_module
 from lily_mongo._tasks import TaskSet
+from tests.support.outbox import written_record
 
 
 class Result:
@@ -71,22 +74,7 @@ def records(dispatcher: OutboxDispatcher, count: int, txn: str = "t") -> list[di
     claim = dispatcher.claim()
     assert claim is not None
     now = datetime.datetime.now(datetime.UTC)
-    return [
-        protocol.new_record(
-            record_id=f"{txn}{n}",
-            event_id=f"{txn}{n}",
-            exchange="",
-            routing_key="down",
-            body=b"{}",
-            headers={"x-lily-event-id": f"{txn}{n}"},
-            content_type="application/json",
-            writer="w",
-            written_at=now,
-            seq=n,
-            claim=claim,
-        )
-        for n in range(count)
-    ]
+    return [written_record(f"{txn}{n}", written_at=now, seq=n, claim=claim) for n in range(count)]
 
 
 def dispatcher(collection: Collection, **options: Any) -> OutboxDispatcher:
@@ -94,11 +82,23 @@ def dispatcher(collection: Collection, **options: Any) -> OutboxDispatcher:
     return OutboxDispatcher(collection, settings, "proc", OutboxCounters(settings))  # type: ignore[arg-type]
 
 
-def test_a_batch_is_published_pipelined_in_write_order_and_marked_in_one_write_per_batch_size() -> None:
-    async def main() -> None:
-        collection, broker, tasks = Collection(), Broker(), TaskSet()
-        outbox = dispatcher(collection, batch_size=100, mark_interval=60, claim_seconds=600)
-        outbox.start(FixedTransport(broker.send), tasks)
+@contextlib.asynccontextmanager
+async def dispatching(
+    collection: Collection, broker: Broker, transport: Any = None, **options: Any
+) -> AsyncIterator[OutboxDispatcher]:
+    """A dispatcher with ``options`` writing to ``collection`` and sending through ``broker`` (or
+    ``transport``), started, and stopped at the end."""
+    outbox = dispatcher(collection, **options)
+    outbox.start(FixedTransport(broker.send) if transport is None else transport, TaskSet())
+    try:
+        yield outbox
+    finally:
+        await outbox.stop(1.0)
+
+
+async def test_a_batch_is_published_pipelined_in_write_order_and_marked_in_one_write_per_batch_size() -> None:
+    collection, broker = Collection(), Broker()
+    async with dispatching(collection, broker, batch_size=100, mark_interval=60, claim_seconds=600) as outbox:
         first, second = records(outbox, 150, "a"), records(outbox, 100, "b")
         outbox.submit(first)
         outbox.submit(second)
@@ -116,34 +116,24 @@ def test_a_batch_is_published_pipelined_in_write_order_and_marked_in_one_write_p
             assert filter["status"] == "pending"
             assert update == protocol.mark_update(retention_seconds=7 * 24 * 3600.0)
         assert collection.failures == []
-        await outbox.stop(1.0)
-
-    asyncio.run(main())
 
 
-def test_marks_wait_the_mark_interval_to_share_one_write() -> None:
-    async def main() -> None:
-        collection, broker, tasks = Collection(), Broker(), TaskSet()
-        broker.release.set()
-        outbox = dispatcher(collection, mark_interval=0.3)
-        outbox.start(FixedTransport(broker.send), tasks)
+async def test_marks_wait_the_mark_interval_to_share_one_write() -> None:
+    collection, broker = Collection(), Broker()
+    broker.release.set()
+    async with dispatching(collection, broker, mark_interval=0.3) as outbox:
         for n in range(5):  # five transactions, one record each, 20 ms apart
             outbox.submit(records(outbox, 1, f"t{n}-"))
             await asyncio.sleep(0.02)
         assert collection.marks == []  # not yet: the interval runs from the first confirmed record
         await asyncio.sleep(0.4)
         assert [len(f["_id"]["$in"]) for f, _ in collection.marks] == [5]  # one write for the five
-        await outbox.stop(1.0)
-
-    asyncio.run(main())
 
 
-def test_a_refused_publish_is_recorded_as_a_failed_attempt_and_the_others_are_marked() -> None:
-    async def main() -> None:
-        collection, broker, tasks = Collection(), Broker(refuse=frozenset({"t1"})), TaskSet()
-        broker.release.set()
-        outbox = dispatcher(collection)
-        outbox.start(FixedTransport(broker.send), tasks)
+async def test_a_refused_publish_is_recorded_as_a_failed_attempt_and_the_others_are_marked() -> None:
+    collection, broker = Collection(), Broker(refuse=frozenset({"t1"}))
+    broker.release.set()
+    async with dispatching(collection, broker) as outbox:
         outbox.submit(records(outbox, 3))
         await outbox.drain()
         [(filter, _)] = collection.marks
@@ -155,26 +145,18 @@ def test_a_refused_publish_is_recorded_as_a_failed_attempt_and_the_others_are_ma
         assert update["$set"]["attempts"] == 1
         assert update["$set"]["last_error"] == "publish unroutable"
         assert update["$unset"] == {"claim_expires": ""}  # released to the relay
-        await outbox.stop(1.0)
-
-    asyncio.run(main())
 
 
-def test_a_record_whose_claim_expired_before_its_dispatch_is_left_to_the_relay() -> None:
-    async def main() -> None:
-        collection, broker, tasks = Collection(), Broker(), TaskSet()
-        broker.release.set()
-        outbox = dispatcher(collection)
-        outbox.start(FixedTransport(broker.send), tasks)
+async def test_a_record_whose_claim_expired_before_its_dispatch_is_left_to_the_relay() -> None:
+    collection, broker = Collection(), Broker()
+    broker.release.set()
+    async with dispatching(collection, broker) as outbox:
         stale = records(outbox, 2)
         stale[0]["claim_expires"] = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1)
         outbox.submit(stale)
         await outbox.drain()
         assert broker.sent == ["t1"]
         assert [f["_id"]["$in"] for f, _ in collection.marks] == [["t1"]]
-        await outbox.stop(1.0)
-
-    asyncio.run(main())
 
 
 class SlowChannel:
@@ -192,15 +174,13 @@ class SlowChannel:
         return self._send
 
 
-def test_a_claim_that_would_run_out_before_the_confirm_and_the_mark_is_left_to_the_relay() -> None:
+async def test_a_claim_that_would_run_out_before_the_confirm_and_the_mark_is_left_to_the_relay() -> None:
     # claim_seconds 10, confirm timeout 5, mark interval 1: a record needs 6 s of claim left
     # when its publish starts. The check is made once the channel is back, not before.
-    async def main() -> None:
-        collection, broker, tasks = Collection(), Broker(), TaskSet()
-        broker.release.set()
-        outbox = dispatcher(collection, claim_seconds=10, mark_interval=1)
-        channel = SlowChannel(broker.send, timeout=5)
-        outbox.start(channel, tasks)
+    collection, broker = Collection(), Broker()
+    broker.release.set()
+    channel = SlowChannel(broker.send, timeout=5)
+    async with dispatching(collection, broker, channel, claim_seconds=10, mark_interval=1) as outbox:
         batch = records(outbox, 3)
         now = datetime.datetime.now(datetime.UTC)
         batch[1]["claim_expires"] = now + datetime.timedelta(seconds=5.5)  # less than 6 s left
@@ -213,18 +193,12 @@ def test_a_claim_that_would_run_out_before_the_confirm_and_the_mark_is_left_to_t
         assert [f["_id"]["$in"] for f, _ in collection.marks] == [["t0"]]
         assert collection.failures == []  # left to the relay: no attempt counted, the claim simply expires
         assert outbox.counters.left == 2
-        await outbox.stop(1.0)
-
-    asyncio.run(main())
 
 
-def test_while_the_broker_is_away_the_dispatch_queue_stops_growing(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_while_the_broker_is_away_the_dispatch_queue_stops_growing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dispatcher_module, "DISPATCH_QUEUE_LIMIT", 5)
-
-    async def main() -> None:
-        collection, broker, tasks = Collection(), Broker(), TaskSet()
-        outbox = dispatcher(collection, batch_size=2, claim_seconds=600)
-        outbox.start(FixedTransport(broker.send), tasks)
+    collection, broker = Collection(), Broker()
+    async with dispatching(collection, broker, batch_size=2, claim_seconds=600) as outbox:
         in_flight = records(outbox, 2, "a")
         outbox.submit(in_flight)
         await asyncio.sleep(0.05)  # taken as a batch: waiting for its confirms
@@ -235,24 +209,18 @@ def test_while_the_broker_is_away_the_dispatch_queue_stops_growing(monkeypatch: 
         broker.release.set()
         await outbox.drain()
         assert broker.sent == ["a0", "a1", "b0", "b1", "b2"]
-        await outbox.stop(1.0)
-
-    asyncio.run(main())
 
 
-def test_a_stopped_dispatcher_claims_nothing_and_takes_nothing() -> None:
-    async def main() -> None:
-        collection, tasks = Collection(), TaskSet()
-        outbox = dispatcher(collection)
-        assert outbox.claim() is None  # not started: records are born free, for a relay
-        outbox.start(FixedTransport(Broker().send), tasks)
-        assert outbox.claim() is not None
-        assert await outbox.stop(1.0) is True
-        assert outbox.claim() is None
-        outbox.submit([{"_id": "late"}])  # a commit after the stop: left claimed, for a relay
-        assert collection.marks == []
-
-    asyncio.run(main())
+async def test_a_stopped_dispatcher_claims_nothing_and_takes_nothing() -> None:
+    collection = Collection()
+    outbox = dispatcher(collection)
+    assert outbox.claim() is None  # not started: records are born free, for a relay
+    outbox.start(FixedTransport(Broker().send), TaskSet())
+    assert outbox.claim() is not None
+    assert await outbox.stop(1.0) is True
+    assert outbox.claim() is None
+    outbox.submit([{"_id": "late"}])  # a commit after the stop: left claimed, for a relay
+    assert collection.marks == []
 
 
 class FlakyRelay(OutboxRelay):
@@ -272,39 +240,33 @@ class FlakyRelay(OutboxRelay):
         return []
 
 
-def test_the_relay_outlives_a_claim_that_fails_with_something_else_than_a_database_error() -> None:
-    async def main() -> None:
-        relay = FlakyRelay(poll_interval=0.01)
-        task = asyncio.ensure_future(relay.run(FixedTransport(Broker().send)))
-        await asyncio.sleep(0.1)
-        assert not task.done()
-        assert relay.claims > 1  # it went on polling
-        relay._task = task
-        assert await relay.stop(1.0) is True
-
-    asyncio.run(main())
+async def test_the_relay_outlives_a_claim_that_fails_with_something_else_than_a_database_error() -> None:
+    relay = FlakyRelay(poll_interval=0.01)
+    task = asyncio.ensure_future(relay.run(FixedTransport(Broker().send)))
+    await asyncio.sleep(0.1)
+    assert not task.done()
+    assert relay.claims > 1  # it went on polling
+    relay._task = task
+    assert await relay.stop(1.0) is True
 
 
-def test_a_relay_stopped_while_claiming_ends_without_waiting_its_poll_interval() -> None:
-    async def main() -> None:
-        relay = FlakyRelay(poll_interval=60)
-        claiming = asyncio.Event()
-        proceed = asyncio.Event()
+async def test_a_relay_stopped_while_claiming_ends_without_waiting_its_poll_interval() -> None:
+    relay = FlakyRelay(poll_interval=60)
+    claiming = asyncio.Event()
+    proceed = asyncio.Event()
 
-        async def slow_claim() -> list[dict[str, Any]]:
-            claiming.set()
-            await proceed.wait()
-            return []
+    async def slow_claim() -> list[dict[str, Any]]:
+        claiming.set()
+        await proceed.wait()
+        return []
 
-        relay._claim_batch = slow_claim  # type: ignore[method-assign]
-        relay._task = asyncio.ensure_future(relay.run(FixedTransport(Broker().send)))
-        await claiming.wait()
-        stopping = asyncio.ensure_future(relay.stop(30.0))
-        await asyncio.sleep(0)
-        proceed.set()  # the claim finds nothing after the stop's wake-up
-        started = asyncio.get_running_loop().time()
-        assert await stopping is True
-        assert asyncio.get_running_loop().time() - started < 1.0
-        assert not relay._task.cancelled()  # it ended on its own, not by the stop's cancellation
-
-    asyncio.run(main())
+    relay._claim_batch = slow_claim  # type: ignore[method-assign]
+    relay._task = asyncio.ensure_future(relay.run(FixedTransport(Broker().send)))
+    await claiming.wait()
+    stopping = asyncio.ensure_future(relay.stop(30.0))
+    await asyncio.sleep(0)
+    proceed.set()  # the claim finds nothing after the stop's wake-up
+    started = asyncio.get_running_loop().time()
+    assert await stopping is True
+    assert asyncio.get_running_loop().time() - started < 1.0
+    assert not relay._task.cancelled()  # it ended on its own, not by the stop's cancellation

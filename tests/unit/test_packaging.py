@@ -50,8 +50,11 @@ def tracked_files() -> list[str]:
 
 def test_every_tracked_file_is_in_the_sdist_include_list() -> None:
     patterns = sdist_patterns()
+    # PurePath.full_match is Python 3.13's, the tests' version; mypy reads them as the package's 3.12.
     missing = [
-        path for path in tracked_files() if not any(PurePosixPath(path).full_match(pattern) for pattern in patterns)
+        path
+        for path in tracked_files()
+        if not any(PurePosixPath(path).full_match(pattern) for pattern in patterns)  # type: ignore[attr-defined]
     ]
     assert missing == []
 

@@ -13,7 +13,6 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Annotated, Any
 
-import pydantic
 import pytest
 
 from lily_mongo import (
@@ -37,6 +36,7 @@ from lily_mongo._plan.plan import Plan, PlanBuilder
 from lily_mongo._plan.routes import HandlerRoute, queue
 from lily_mongo._topology import topology_names
 from lily_mongo.envelope import Envelope
+from tests.support.handlers import Order, taking_every_kind
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1/"
 Handler = Callable[..., Awaitable[None]]
@@ -63,11 +63,6 @@ VERSION_MAX = 65535
 # Stable codes (docs/settlement.md).
 SCHEMA_VERSION_UNSUPPORTED = "QUEUE_SCHEMA_VERSION_UNSUPPORTED"
 CONTENT_KIND_UNSUPPORTED = "QUEUE_CONTENT_KIND_UNSUPPORTED"
-
-
-class Order(pydantic.BaseModel):
-    order_id: int
-    lines: list[str]
 
 
 class NoSchema:
@@ -316,7 +311,7 @@ def test_descriptor_counts_parameter_names_and_trace() -> None:
 
 
 def _full_descriptors(count: int, last_short_by: int) -> Handler:
-    routes = [{"version": v, "handler_id": f"{v:04d}" + "h" * 998} for v in range(1, count + 1)]
+    routes: list[dict[str, Any]] = [{"version": v, "handler_id": f"{v:04d}" + "h" * 998} for v in range(1, count + 1)]
     routes[-1]["handler_id"] = routes[-1]["handler_id"][: 1002 - last_short_by]
     return routed(*routes)
 
@@ -354,14 +349,21 @@ def test_middleware_one_past_the_limit_is_rejected(consumer_wide: int, per_handl
     assert_names(error, "65 middleware", "64")
 
 
-def test_middleware_through_the_public_consumer() -> None:
+def public_plan_error(add: Callable[[Consumer], None], count: int, route: dict[str, Any]) -> PlanError:
+    """The plan error of a :class:`Consumer` that ``add`` gave ``count`` consumer-wide layers, its one
+    handler routed with ``route``."""
     consumer = Consumer(amqp_url=AMQP_URL, name="svc")
-    for _ in range(MIDDLEWARE):
-        consumer.use(middleware)
-    consumer.include(routed({"middleware": [middleware]}))
+    for _ in range(count):
+        add(consumer)
+    consumer.include(routed(route))
     with pytest.raises(PlanError) as info:
         consumer.plan()
-    assert_names(info.value, "65 middleware", "64")
+    return info.value
+
+
+def test_middleware_through_the_public_consumer() -> None:
+    error = public_plan_error(lambda consumer: consumer.use(middleware), MIDDLEWARE, {"middleware": [middleware]})
+    assert_names(error, "65 middleware", "64")
 
 
 def test_guards_at_the_limit_are_accepted() -> None:
@@ -376,13 +378,8 @@ def test_guards_one_past_the_limit_are_rejected(consumer_wide: int, per_handler:
 
 
 def test_guards_through_the_public_consumer() -> None:
-    consumer = Consumer(amqp_url=AMQP_URL, name="svc")
-    for _ in range(GUARDS):
-        consumer.guard(guard)
-    consumer.include(routed({"guards": [guard]}))
-    with pytest.raises(PlanError) as info:
-        consumer.plan()
-    assert_names(info.value, "65 guards", "64")
+    error = public_plan_error(lambda consumer: consumer.guard(guard), GUARDS, {"guards": [guard]})
+    assert_names(error, "65 guards", "64")
 
 
 # -- handler parameters: 16, at most one terminal payload extractor --------------------------
@@ -399,18 +396,7 @@ def test_parameters_one_past_the_limit_are_rejected() -> None:
 
 
 def test_every_builtin_extractor_is_injectable() -> None:
-    async def handler(
-        order: Json[Order],
-        event_id: EventId,
-        retries: RetryCount,
-        redelivered: Redelivered,
-        raw: RawDelivery,
-        *,
-        mongo: MongoScope,
-    ) -> None:
-        return None
-
-    plan = build(queue("q", version=1)(handler), has_mongo=True)
+    plan = build(queue("q", version=1)(taking_every_kind({})), has_mongo=True)
     route = plan.handlers[0]
     assert [p.name for p in route.parameters] == ["order", "event_id", "retries", "redelivered", "raw", "mongo"]
     assert route.terminal is not None

@@ -80,7 +80,9 @@ def test_routing_key_over_200_bytes_is_refused() -> None:
 
 
 def test_custom_content_needs_a_canonical_token() -> None:
-    avro = CustomPublishContent(kind="avro.v2", content_type="application/avro", encode=lambda v: bytes(v))
+    avro: CustomPublishContent[bytes] = CustomPublishContent(
+        kind="avro.v2", content_type="application/avro", encode=lambda v: bytes(v)
+    )
     assert prepare_publication(avro, "q", b"\x01", version=1).headers["x-lily-content-kind"] == "avro.v2"
     with pytest.raises(ConfigError, match="kind"):
         CustomPublishContent(kind="Avro", content_type="application/avro", encode=lambda v: bytes(v))
@@ -90,7 +92,7 @@ def test_custom_content_needs_a_canonical_token() -> None:
 
 def test_text_payload_must_be_str() -> None:
     with pytest.raises(ConfigError, match="text payload must be a str"):
-        prepare_publication(TEXT, "q", b"bytes", version=1)  # type: ignore[arg-type]
+        prepare_publication(TEXT, "q", b"bytes", version=1)  # type: ignore[misc]  # bytes for text, on purpose
 
 
 class _Channel:
