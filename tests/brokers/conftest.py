@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import pytest
 from yarl import URL
 
+from lily_mongo._plan.options import QueueType
 from tests.brokers.tier import RabbitMQ, server_properties
 from tests.integration.conftest import _abandoned_mongo_sockets  # noqa: F401  (autouse, as in the integration tier)
 
@@ -97,14 +98,15 @@ def rabbitmq(amqp: str) -> RabbitMQ:
 
 
 @pytest.fixture(params=["classic", "quorum"])
-def queue_type(request: pytest.FixtureRequest) -> str:
+def queue_type(request: pytest.FixtureRequest) -> QueueType:
     """The type of the queues the test declares (its work queue, retry buckets, DLQ and destinations)."""
-    return str(request.param)
+    chosen: QueueType = request.param
+    return chosen
 
 
 # -- what each broker's share of the run took -------------------------------------------------------
 
-_seconds: collections.Counter[str] = collections.Counter()
+_seconds: dict[str, float] = collections.defaultdict(float)  # seconds per broker
 _outcomes: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 
 

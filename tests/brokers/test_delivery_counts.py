@@ -30,17 +30,21 @@ import aio_pika.abc
 import pytest
 
 from lily_mongo import MongoScope, QueueOptions, RawDelivery, queue
+from lily_mongo._plan.options import QueueType
 from lily_mongo.dlq import list_dead_letters
 from tests.brokers.tier import RabbitMQ, declare_work_queue, type_argument
 from tests.integration.test_inbox import EFFECTS, RECORDS, effect_handler, inbox_consumer, publish
-from tests.support import NO_RETRIES, Broker, MongoDB, eventually, one_event, outcomes, running
+from tests.support.broker import Broker, headers_of
+from tests.support.consumers import NO_RETRIES, one_event, outcomes, running
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.broker
 
 Counts = tuple[int | None, int | None]  # (x-delivery-count, x-acquired-count) of one delivery
 
 
-def observed_counts(rabbitmq: RabbitMQ, queue_type: str, how: str, deliveries: int) -> list[Counts]:
+def observed_counts(rabbitmq: RabbitMQ, queue_type: QueueType, how: str, deliveries: int) -> list[Counts]:
     """The counts each of ``deliveries`` deliveries carries when every one is returned ``how``."""
     if queue_type == "classic":
         return [(None, None)] * deliveries
@@ -72,7 +76,7 @@ def counts_of(message: aio_pika.abc.AbstractIncomingMessage) -> Counts:
 
 @pytest.mark.parametrize("how", ["nack", "reject", "channel-closed"])
 async def test_the_broker_counts_returned_deliveries(
-    broker: Broker, rabbitmq: RabbitMQ, queue_type: str, how: str
+    broker: Broker, rabbitmq: RabbitMQ, queue_type: QueueType, how: str
 ) -> None:
     q = broker.queue(f"count-{how}")
     channel = await broker.connection.channel()
@@ -119,10 +123,11 @@ async def test_a_quorum_queue_s_default_delivery_limit(broker: Broker, rabbitmq:
         return
     assert deliveries == rabbitmq.default_delivery_limit + 1
     [dead] = await broker.drain(f"{q}.dlq")
-    assert dead.headers["x-first-death-reason"] == "delivery_limit"
-    [death] = dead.headers["x-death"]
+    headers = headers_of(dead)
+    assert headers["x-first-death-reason"] == "delivery_limit"
+    [death] = headers["x-death"]
     assert (death["reason"], death["queue"]) == ("delivery_limit", q)
-    assert dead.headers["k"] == "v"
+    assert headers["k"] == "v"
     assert await broker.depth(q) == 0
 
 
@@ -147,7 +152,7 @@ async def hold_lease(mongodb: MongoDB, key: str, *, for_seconds: float) -> None:
 
 
 async def test_deferrals_while_a_lease_is_held_are_counted_by_the_broker_before_4_3(
-    broker: Broker, mongodb: MongoDB, rabbitmq: RabbitMQ, queue_type: str
+    broker: Broker, mongodb: MongoDB, rabbitmq: RabbitMQ, queue_type: QueueType
 ) -> None:
     # Another owner holds the event's lease for one more second: every copy is deferred (and
     # requeued with basic.nack) until it expires; then the copy takes the lease and the handler
@@ -188,7 +193,7 @@ async def test_deferrals_while_a_lease_is_held_are_counted_by_the_broker_before_
 
 
 async def test_past_max_deferrals_an_event_goes_to_the_dlq_with_the_library_s_code(
-    broker: Broker, mongodb: MongoDB, rabbitmq: RabbitMQ, queue_type: str
+    broker: Broker, mongodb: MongoDB, rabbitmq: RabbitMQ, queue_type: QueueType
 ) -> None:
     # The default bound (max_deferrals=20) against the broker's default delivery limit (20 on 4.x
     # quorum queues, which dead-letter at the 21st counted return): the library's bound decides.
@@ -218,7 +223,7 @@ async def test_past_max_deferrals_an_event_goes_to_the_dlq_with_the_library_s_co
 
 @pytest.mark.parametrize("queue_type", ["quorum"])
 async def test_a_delivery_limit_below_max_deferrals_decides_only_where_the_broker_counts_nacks(
-    broker: Broker, mongodb: MongoDB, rabbitmq: RabbitMQ, queue_type: str
+    broker: Broker, mongodb: MongoDB, rabbitmq: RabbitMQ, queue_type: QueueType
 ) -> None:
     # The work queue is declared with a delivery limit of 2 (the consumer takes it as it is) and
     # max_deferrals is 5. Where basic.nack counts, the broker dead-letters the original at its

@@ -16,17 +16,22 @@ import orjson
 import pytest
 
 from lily_mongo import EventId, Json, MongoScope, QueueHandlerError, queue
+from lily_mongo._plan.options import QueueType
 from lily_mongo.dlq import list_dead_letters
 from tests.brokers.tier import assert_queue_type, declare_destination
 from tests.integration.test_inbox import assert_effect_once, effect_handler, inbox_consumer, publish, settled_copies
 from tests.integration.test_outbox import OUTBOX, outbox_consumer
 from tests.integration.test_settlement import Calls, raising, recording_handler, retries, settle
-from tests.support import Broker, MongoDB, accepting, eventually, outcomes, running, wait_observations
+from tests.support.broker import Broker
+from tests.support.consumers import outcomes, running, wait_observations
+from tests.support.handlers import accepting
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.broker
 
 
-async def test_a_consumer_connects_declares_its_topology_and_acks(broker: Broker, queue_type: str) -> None:
+async def test_a_consumer_connects_declares_its_topology_and_acks(broker: Broker, queue_type: QueueType) -> None:
     q = broker.queue("consume")
     consumer = broker.consumer(q, accepting(q), queue_type=queue_type, retry=retries(1, 30.0))
     async with running(consumer) as managed:
@@ -36,15 +41,16 @@ async def test_a_consumer_connects_declares_its_topology_and_acks(broker: Broker
     assert sorted(str(o.event_id) for o in observations) == sorted(str(e) for e in sent)
     assert [o.outcome for o in observations] == ["acked"] * 5
     assert await broker.topology_depths(q) == [0, 0, 0]
-    for name, arguments in {
+    expected: dict[str, dict[str, Any]] = {
         q: {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": f"{q}.dlq"},
         f"{q}.retry.0": {"x-message-ttl": 30_000, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": q},
         f"{q}.dlq": {},
-    }.items():
+    }
+    for name, arguments in expected.items():
         await assert_queue_type(broker.connection, name, queue_type, arguments)
 
 
-async def test_a_retry_comes_back_from_its_bucket_and_succeeds(broker: Broker, queue_type: str) -> None:
+async def test_a_retry_comes_back_from_its_bucket_and_succeeds(broker: Broker, queue_type: QueueType) -> None:
     busy = raising(QueueHandlerError.retryable("APP_BUSY", "stock service down"), times=2)
     run = await settle(broker, "retry", busy, ends=3, retry=retries(3, 0.2), queue_type=queue_type)
     assert [o.outcome for o in run.observations] == ["retried", "retried", "acked"]
@@ -56,7 +62,7 @@ async def test_a_retry_comes_back_from_its_bucket_and_succeeds(broker: Broker, q
     assert await broker.topology_depths(run.q) == [0, 0, 0]
 
 
-async def test_failures_end_in_the_dlq_with_their_codes(broker: Broker, queue_type: str) -> None:
+async def test_failures_end_in_the_dlq_with_their_codes(broker: Broker, queue_type: QueueType) -> None:
     q = broker.queue("dlq")
     calls = Calls()
 
@@ -87,7 +93,7 @@ async def test_failures_end_in_the_dlq_with_their_codes(broker: Broker, queue_ty
     assert await broker.depth(f"{q}.dlq") == 2  # listing put them back
 
 
-async def test_a_body_over_max_body_is_dead_lettered_by_the_broker(broker: Broker, queue_type: str) -> None:
+async def test_a_body_over_max_body_is_dead_lettered_by_the_broker(broker: Broker, queue_type: QueueType) -> None:
     q = broker.queue("too-large")
     calls = Calls()
     consumer = broker.consumer(
@@ -105,7 +111,7 @@ async def test_a_body_over_max_body_is_dead_lettered_by_the_broker(broker: Broke
 
 
 async def test_the_inbox_applies_an_event_once_and_absorbs_its_copies(
-    broker: Broker, mongodb: MongoDB, queue_type: str
+    broker: Broker, mongodb: MongoDB, queue_type: QueueType
 ) -> None:
     q = broker.queue("inbox")
     calls: list[uuid.UUID] = []
@@ -123,7 +129,7 @@ async def test_the_inbox_applies_an_event_once_and_absorbs_its_copies(
 
 
 async def test_deliveries_on_a_lost_channel_are_redelivered_and_applied_once(
-    broker: Broker, mongodb: MongoDB, queue_type: str
+    broker: Broker, mongodb: MongoDB, queue_type: QueueType
 ) -> None:
     # Two deliveries are in their handlers when the consuming channel closes: they can no longer
     # be settled; the broker redelivers them on the restored channel and the inbox applies each once.
@@ -140,13 +146,13 @@ async def test_deliveries_on_a_lost_channel_are_redelivered_and_applied_once(
 
     consumer = inbox_consumer(broker, mongodb, q, handle, queue_type=queue_type, concurrency=4)
     async with running(consumer, expect_clean=False, release=release) as managed:
-        runtime = managed._runtime
-        assert runtime is not None
+        intake = managed._intake
+        assert intake is not None
         first, second = uuid.uuid4(), uuid.uuid4()
         await publish(broker, q, first)
         await publish(broker, q, second)
         await eventually(lambda: len(started) == 2, what="both deliveries in their handlers")
-        channel = runtime.queues[q].channel
+        channel = intake.consumers[q].channel
         assert channel is not None
         await (await channel.get_underlay_channel()).close()
         release.set()
@@ -163,7 +169,7 @@ async def test_deliveries_on_a_lost_channel_are_redelivered_and_applied_once(
 
 
 async def test_the_outbox_dispatches_after_the_commit_to_its_destination(
-    broker: Broker, mongodb: MongoDB, queue_type: str
+    broker: Broker, mongodb: MongoDB, queue_type: QueueType
 ) -> None:
     q = broker.queue("source")
     down = await declare_destination(broker, "down", queue_type)

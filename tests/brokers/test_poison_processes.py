@@ -21,10 +21,15 @@ from pathlib import Path
 import pytest
 
 from lily_mongo import QueueOptions, RetryPolicy
+from lily_mongo._plan.options import QueueType
 from tests.brokers.tier import declare_work_queue
-from tests.integration.test_cli import cli_env, run_cli
-from tests.integration.test_inbox_processes import EFFECTS, RECORDS, Workers, worker_args, workers_in
-from tests.support import Broker, MongoDB, eventually, one_event
+from tests.integration.test_inbox_processes import EFFECTS, RECORDS, WORKER, worker_args
+from tests.support.broker import Broker
+from tests.support.cli import cli_env, run_cli
+from tests.support.consumers import one_event
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
+from tests.support.processes import Workers, worker_processes
 
 pytestmark = pytest.mark.broker
 
@@ -35,14 +40,15 @@ WORKER_RETRY = RetryPolicy(max_retries=1, delays=(0.2,))  # the worker's own (wo
 
 async def one_death(workers: Workers, name: str, args: list[str], event: str) -> None:
     """Start a worker; it takes the message, writes its handler line, and dies of SIGKILL."""
-    process = await workers.start(name, *args)
+    child = await workers.start(name, *args)
     started = await workers.wait_for_record(name, "handler", timeout=30.0)
     assert started["handler"] == event
-    assert await asyncio.wait_for(process.wait(), 10.0) == -signal.SIGKILL, workers.stderr(name)
+    ended = await child.finish(10.0)
+    assert ended.returncode == -signal.SIGKILL, ended.describe()
 
 
 async def test_a_message_that_kills_its_consumer_every_time(
-    broker: Broker, mongodb: MongoDB, queue_type: str, tmp_path: Path
+    broker: Broker, mongodb: MongoDB, queue_type: QueueType, tmp_path: Path
 ) -> None:
     q, handler_id, event, key = one_event(broker, "poison")
     options = QueueOptions(name=q, queue_type=queue_type, retry=WORKER_RETRY)
@@ -53,7 +59,7 @@ async def test_a_message_that_kills_its_consumer_every_time(
         *("--queue-type", queue_type, "--passive", "--die-in-handler"),
     ]
     deaths = 0
-    async with workers_in(tmp_path) as workers:
+    async with worker_processes(WORKER, tmp_path) as workers:
         await broker.publish(q, event_id=event)
         for deaths in range(1, DELIVERY_LIMIT + 2):
             await one_death(workers, f"replica-{deaths}", args, str(event))
@@ -67,7 +73,7 @@ async def test_a_message_that_kills_its_consumer_every_time(
             # The next replica starts once the dead one's lease (taken by a redelivered copy) expired,
             # as a restarted process would usually find it; a live lease would defer the copy instead.
             await asyncio.sleep(LEASE_SECONDS + 0.2)
-    handler_lines = [r for name in workers.processes for r in workers.records(name) if "handler" in r]
+    handler_lines = [r for name in workers.children for r in workers.records(name) if "handler" in r]
     assert len(handler_lines) == deaths  # one attempt per process, each ended by its death
     assert await mongodb.db[EFFECTS].count_documents({}) == 0
     record = await mongodb.db[RECORDS].find_one({"_id": key})

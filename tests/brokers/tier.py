@@ -17,7 +17,7 @@ from lily_mongo import QueueOptions
 from lily_mongo._topology import topology_names
 from lily_mongo._versions import release
 from tests.integration.test_runtime_features import declare_or_refusal
-from tests.support import Broker
+from tests.support.broker import Broker
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,10 @@ async def declare_work_queue(
     dead_letters = {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": options.dlq_name}
     await channel.declare_queue(options.name, durable=True, arguments={**dead_letters, **extra, **work_queue_arguments})
     for index, delay_ms in enumerate(options.retry.bucket_delays_ms):
-        bucket = {"x-message-ttl": delay_ms, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": options.name}
+        bucket: dict[str, Any] = {
+            "x-message-ttl": delay_ms,
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": options.name,
+        }
         await channel.declare_queue(options.bucket_name(index), durable=True, arguments={**bucket, **extra})
     return topology_names(options)
