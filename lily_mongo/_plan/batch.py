@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 from .._checks import check_int, check_seconds
 from .._errors import ConfigError, PlanError
@@ -59,7 +59,7 @@ class BatchOptions:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class BatchEntry(Generic[T]):
+class BatchEntry[T]:
     """One event of a batch: its id, its retry count, its decoded body and its read-only delivery."""
 
     event_id: uuid.UUID
@@ -75,7 +75,7 @@ class BatchEntry(Generic[T]):
         return f"<BatchEntry event_id={self.event_id} retry_count={self.retry_count}>"
 
 
-class BatchItemFailed(Exception):  # noqa: N818 - it names what happened to the entry, as QueueHandlerError does
+class BatchItemFailed(Exception):
     """Raised by a batch handler: ``entry`` failed with ``error``; the batch runs again without it.
 
     The transaction is aborted, ``entry`` goes to its retry bucket or its DLQ with ``error``'s

@@ -69,15 +69,7 @@ class PlanBuilder:
             raise PlanError("the consumer has no handlers; include at least one @queue handler")
         if len(handlers) > BOUNDS.linked_handlers:
             raise PlanError(f"{len(handlers)} linked handlers, over the bound of {BOUNDS.linked_handlers}")
-        queues = dict(self.queue_options)
-        for handler in handlers:
-            if handler.batch is not None and handler.queue not in queues:
-                # Not configured: room for a batch running and one forming (docs/configuration.md).
-                queues[handler.queue] = QueueOptions(name=handler.queue, prefetch=default_batch_prefetch(handler.batch))
-            queues.setdefault(handler.queue, QueueOptions(name=handler.queue))
-        for handler in handlers:
-            if handler.batch is not None:
-                check_batch_queue(queues[handler.queue], handler.batch, f"handler {handler.handler_id[:80]!r}")
+        queues = _queues_of(self.queue_options, handlers)
         unused = [q for q in self.queue_options if not any(h.queue == q for h in handlers)]
         if unused:
             raise PlanError(f"configured queue {unused[0]!r:.60} has no handler")
@@ -169,6 +161,20 @@ class PlanBuilder:
             resources=resolved.resources,
             batch=spec.batch,
         )
+
+
+def _queues_of(configured: Mapping[str, QueueOptions], handlers: list[HandlerRoute]) -> dict[str, QueueOptions]:
+    """Every queue's options: as configured, else the defaults; a batch handler's queue must let a batch fill."""
+    queues = dict(configured)
+    for handler in handlers:
+        if handler.batch is not None and handler.queue not in queues:
+            # Not configured: room for a batch running and one forming (docs/configuration.md).
+            queues[handler.queue] = QueueOptions(name=handler.queue, prefetch=default_batch_prefetch(handler.batch))
+        queues.setdefault(handler.queue, QueueOptions(name=handler.queue))
+    for handler in handlers:
+        if handler.batch is not None:
+            check_batch_queue(queues[handler.queue], handler.batch, f"handler {handler.handler_id[:80]!r}")
+    return queues
 
 
 def _check_batch(spec: RouteSpec, resolved: Resolved, where: str) -> None:

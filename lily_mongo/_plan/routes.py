@@ -90,7 +90,14 @@ def queue(
         if isinstance(hooks, str) or not isinstance(hooks, Sequence) or not all(callable(h) for h in hooks):
             raise ConfigError(f"{field_name} must be a sequence of async callables, got {describe_value(hooks)}")
     spec = RouteSpec(
-        name, version, content, handler_id, guarantee, tuple(middleware), tuple(guards), trace,
+        name,
+        version,
+        content,
+        handler_id,
+        guarantee,
+        tuple(middleware),
+        tuple(guards),
+        trace,
         check_batch_options(batch),
     )
 
