@@ -130,7 +130,7 @@ class TestConsumer:
         payloads: list[T],
         *,
         version: int,
-        content: CustomPublishContent[T] = JSON,  # type: ignore[assignment]
+        content: CustomPublishContent[T] = JSON,
         event_ids: list[uuid.UUID | None] | None = None,
         **options: Any,
     ) -> list[DeliveryResult]:
