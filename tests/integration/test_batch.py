@@ -248,10 +248,11 @@ async def test_a_batch_killed_between_its_commit_and_its_acks_is_absorbed_as_dup
     q = broker.queue("killed")
     handler_id = f"{q}/ingest"
     common = [*worker_args(broker, mongodb, q, handler_id), "--max-size", "20", "--max-wait", "5"]
-    ids = await broker.publish_all(q, [{"n": n} for n in range(20)])
     workers = BatchWorkers(tmp_path)
     try:
         a = await workers.start("batch-a", *common, "--stall-acks")
+        await workers.wait_for_record("batch-a", "ready")
+        ids = await broker.publish_all(q, [{"n": n} for n in range(20)])
 
         async def committed() -> bool:
             return await mongodb.db[RECORDS].count_documents({"state": "completed"}) == 20
@@ -295,7 +296,7 @@ async def test_several_batch_consumers_killed_at_random_lose_nothing_and_double_
         for name in ("w1", "w2", "w3"):
             await workers.start(name, *common)
         for name in ("w1", "w2", "w3"):
-            await workers.wait_for_record(name, "ready")
+            await workers.wait_for_record(name, "ready", timeout=60.0)
         await publish_with_ids(broker, q, stream)
         for generation in range(1, 5):  # kill one worker at random, start a fresh one
             await asyncio.sleep(rng.uniform(0.5, 1.5))
