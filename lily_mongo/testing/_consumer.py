@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import datetime
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._checks import check_bool
@@ -127,11 +127,11 @@ class TestConsumer:
     async def publish_many[T](
         self,
         queue: str,
-        payloads: list[T],
+        payloads: Sequence[T],
         *,
         version: int,
         content: CustomPublishContent[T] = JSON,
-        event_ids: list[uuid.UUID | None] | None = None,
+        event_ids: Sequence[uuid.UUID | None] | None = None,
         **options: Any,
     ) -> list[DeliveryResult]:
         """Deliver every payload at once, as a broker would push them: a batch handler's batches form from them
