@@ -14,11 +14,19 @@ import random
 import signal
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aio_pika
 import pydantic
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from pymongo import AsyncMongoClient
 
 from lily_mongo import (
@@ -31,8 +39,10 @@ from lily_mongo import (
     RetryPolicy,
     queue,
 )
+from lily_mongo.telemetry import Telemetry
 from lily_mongo.testing import Faults
 from tests.integration.test_inbox_processes import ROOT, Workers
+from tests.integration.test_telemetry import Sdk, metric_points, spans_of
 from tests.support import Broker, CommandLog, MongoDB, eventually, running
 
 WORKER = Path(__file__).resolve().parent / "workers" / "batch_worker.py"
@@ -326,3 +336,49 @@ async def test_several_batch_consumers_killed_at_random_lose_nothing_and_double_
     assert await broker.depth(f"{q}.dlq") == 0
     sizes = [r["batch"] for name in workers.processes for r in workers.records(name) if "batch" in r]
     assert max(sizes) > 1  # batched
+
+
+@pytest.fixture
+def sdk() -> Iterator[Sdk]:
+    spans, metrics = InMemorySpanExporter(), InMemoryMetricReader()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    meter_provider = MeterProvider(metric_readers=[metrics])
+    try:
+        yield Sdk(spans, metrics, tracer_provider, meter_provider)
+    finally:
+        tracer_provider.shutdown()
+        meter_provider.shutdown()
+
+
+async def test_a_batch_has_one_span_linked_to_each_delivery_and_a_size_histogram(
+    broker: Broker, mongodb: MongoDB, sdk: Sdk
+) -> None:
+    telemetry = Telemetry(tracer_provider=sdk.tracer_provider, meter_provider=sdk.meter_provider)
+    q = broker.queue("traced")
+    calls: list[int] = []
+    consumer = broker.consumer(
+        q,
+        ingest_handler(q, f"{q}/ingest", calls, max_size=5, max_wait=5.0),
+        name="batch-traced",
+        mongodb=mongodb,
+        telemetry=telemetry,
+        concurrency=1,
+        prefetch=10,
+    )
+    async with running(consumer) as managed:
+        async with Publisher(broker.url, telemetry=False) as publisher:
+            ids = [await publisher.publish_json(q, {"n": n}, version=1) for n in range(5)]
+        await eventually(lambda: len(managed.delivery_terminal_observations()) == 5, timeout=20.0)
+    assert calls == [5]
+    [batch] = spans_of(sdk, SpanKind.CONSUMER, f"process batch {q}")
+    deliveries = spans_of(sdk, SpanKind.CONSUMER, f"process {q}")
+    assert len(deliveries) == 5
+    assert batch.attributes is not None
+    assert batch.attributes["messaging.batch.message_count"] == 5
+    linked = {link.context.span_id for link in batch.links}
+    assert linked == {span.context.span_id for span in deliveries}  # one link per delivery's own span
+    assert {span.attributes["messaging.message.id"] for span in deliveries if span.attributes} == {str(i) for i in ids}
+    assert {span.attributes["lily.outcome"] for span in deliveries if span.attributes} == {"acked"}
+    [(_, point)] = metric_points(sdk, "lily.batch.size", q)
+    assert (point.count, point.sum) == (1, 5)
