@@ -4,7 +4,9 @@ handlers, the commands a batch costs, and check_idempotent on a batch handler.""
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import logging
 import math
 import uuid
 from collections.abc import Callable
@@ -238,3 +240,19 @@ async def test_check_idempotent_passes_a_batch_handler_and_catches_one_that_is_n
 
     with pytest.raises(AssertionError, match="not idempotent"):
         await check_idempotent(consumer_of(mongodb, counts), "readings", readings(3), read_effects)
+
+
+async def test_the_deadline_applies_to_the_whole_batch_and_says_its_size(
+    mongodb: MongoDB, caplog: pytest.LogCaptureFixture
+) -> None:
+    @queue("readings", version=1, handler_id=HANDLER, batch=BatchOptions(max_size=3, max_wait=0.05))
+    async def slow(items: Batch[Json[Reading]], mongo: MongoScope) -> None:
+        await asyncio.sleep(30)
+
+    consumer = consumer_of(mongodb, slow, deadline=0.3, cooperation_window=0.5)
+    with caplog.at_level(logging.WARNING, logger="lily_mongo"):
+        async with TestConsumer(consumer) as tc:
+            results = await tc.publish_many("readings", readings(3), version=1)
+    assert {(r.outcome, r.code) for r in results} == {("retried", "QUEUE_HANDLER_TIMEOUT")}
+    assert "batch of 3 deliveries exceeded the delivery deadline of 0.3 s" in caplog.text
+    assert await mongodb.db["lily_inbox"].count_documents({}) == 0  # its transaction never committed
