@@ -256,8 +256,11 @@ class Batcher:
             for j, error in run.failed.items():
                 results[subset[j]] = self._verdict_of(route, error)
             contended += [subset[j] for j in run.contended]
-            rest = [i for i in subset if i not in results and i not in contended]
+            again = [subset[j] for j in run.unconfirmed]  # duplicates an aborted transaction showed
+            rest = [i for i in subset if i not in results and i not in contended and i not in again]
             sets += self._next_sets(route, members, rest, run, results)
+            if again:
+                sets.append(again)
         executions = {i: self._execution(members[i], results[i]) for i in results}
         executions |= await self._leased(route, members, contended)
         for i, leader in followers:

@@ -72,6 +72,9 @@ class BatchRun:
     failure: PipelineResult | None = None  # the handler failed: the entries without a verdict did not commit
     failed: dict[int, BaseException] = field(default_factory=dict)  # what Batch.fail recorded (not committed)
     handled: list[int] = field(default_factory=list)  # the entries the handler was called with, last attempt
+    # Duplicates seen in a snapshot whose transaction was aborted: no majority commit confirmed them, so they
+    # run again (a read-only transaction that commits) rather than being ACKed on that read alone.
+    unconfirmed: list[int] = field(default_factory=list)
     split: bool = False  # the transaction outlived the server's lifetime: run the entries in smaller sets
     attempts: int = 0
     transient_replays: int = 0
@@ -143,10 +146,13 @@ class BatchAttempts:
 
     @staticmethod
     def _every(run: BatchRun, entries: Sequence[BatchEntry[Any]], result: PipelineResult) -> BatchRun:
-        """``result`` for every entry without a verdict (none committed)."""
+        """``result`` for every entry but the contended ones: nothing committed, so a duplicate its snapshot
+        showed is not confirmed either (it is requeued, and its next delivery finds the completion)."""
+        run.failed.clear()
+        run.unconfirmed.clear()
         for i in range(len(entries)):
-            if i not in run.contended and i not in run.failed:
-                run.verdicts.setdefault(i, result)
+            if i not in run.contended:
+                run.verdicts[i] = result
         return run
 
     async def _attempt(
@@ -162,6 +168,7 @@ class BatchAttempts:
         run.verdicts.clear()
         run.contended.clear()
         run.failed.clear()
+        run.unconfirmed.clear()
         run.failure = None
         session = await transaction.start_transaction(store.client)
         try:
@@ -200,6 +207,9 @@ class BatchAttempts:
             if result.outcome is not Outcome.SUCCESS:
                 await self._abort(session)
                 run.failure = result
+                run.unconfirmed = [i for i, verdict in run.verdicts.items() if verdict is _DUPLICATE]
+                for i in run.unconfirmed:
+                    del run.verdicts[i]
                 return run
             failed = [i for i, entry in zip(claimed, batch, strict=True) if batch.failure_of(entry) is not None]
             if failed:

@@ -256,3 +256,24 @@ async def test_the_deadline_applies_to_the_whole_batch_and_says_its_size(
     assert {(r.outcome, r.code) for r in results} == {("retried", "QUEUE_HANDLER_TIMEOUT")}
     assert "batch of 3 deliveries exceeded the delivery deadline of 0.3 s" in caplog.text
     assert await mongodb.db["lily_inbox"].count_documents({}) == 0  # its transaction never committed
+
+
+async def test_a_duplicate_in_a_failed_batch_is_confirmed_by_a_commit_of_its_own(mongodb: MongoDB) -> None:
+    calls: list[list[int]] = []
+    listener = CommandLog()
+    client: AsyncMongoClient[Any] = AsyncMongoClient(mongodb.uri, event_listeners=[listener])
+    try:
+        consumer = consumer_of(mongodb, batch_handler(calls), client=client)
+        async with TestConsumer(consumer, relay_outbox=False) as tc:
+            [done] = await tc.publish_many("readings", readings(1), version=1)
+            listener.events.clear()
+            body = readings(2, {1: "refuse"})
+            results = await tc.publish_many("readings", body, version=1, event_ids=[done.event_id, None])
+            sent = [e.command_name for e in listener.events]
+    finally:
+        await client.close()
+    assert [(r.outcome, r.code) for r in results] == [("duplicate", None), ("retried", "STORE_DOWN")]
+    assert calls == [[0], [1]]  # the duplicate never reached the handler
+    # The refused batch's transaction was aborted, so its snapshot's duplicate is confirmed by a
+    # read-only transaction that commits (majority), not ACKed on the aborted read alone.
+    assert sent == ["find", "insert", "abortTransaction", "find", "commitTransaction"], sent
