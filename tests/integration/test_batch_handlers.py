@@ -277,3 +277,24 @@ async def test_a_duplicate_in_a_failed_batch_is_confirmed_by_a_commit_of_its_own
     # The refused batch's transaction was aborted, so its snapshot's duplicate is confirmed by a
     # read-only transaction that commits (majority), not ACKed on the aborted read alone.
     assert sent == ["find", "insert", "abortTransaction", "find", "commitTransaction"], sent
+
+
+async def test_a_batch_handlers_outbox_messages_are_dispatched_after_its_commit(mongodb: MongoDB) -> None:
+    @queue("readings", version=1, handler_id=HANDLER, batch=BatchOptions(max_size=8, max_wait=0.05))
+    async def forward(items: Batch[Json[Reading]], mongo: MongoScope) -> None:
+        for entry in items:
+            await mongo.outbox.publish_json("readings.stored", {"n": entry.body.n}, version=1)
+        if any(entry.body.bad for entry in items):
+            raise QueueHandlerError.retryable("STORE_DOWN", "nothing of this batch commits")
+
+    async with TestConsumer(consumer_of(mongodb, forward)) as tc:
+        stored = await tc.publish_many("readings", readings(4), version=1)
+        refused = await tc.publish_many("readings", readings(3, {0: "refuse"}), version=1)
+        outbox = mongodb.db["lily_outbox"]
+        records = await outbox.find({}).to_list()
+    assert {r.outcome for r in stored} == {"acked"}
+    assert {r.outcome for r in refused} == {"retried"}
+    sent = [m for m in tc.published if m.kind == "outbox"]
+    assert sorted(m.body for m in sent) == sorted(f'{{"n":{n}}}'.encode() for n in range(4))  # only the commit's
+    assert len(records) == 4
+    assert {r["status"] for r in records} == {"published"}  # born claimed, dispatched by its writer, marked
