@@ -154,7 +154,17 @@ async def child_batch(config: dict[str, Any], commands: CommandLog) -> dict[str,
         return outcomes.get("acked", 0) + outcomes.get("duplicate", 0)
 
     try:
-        return await window.until(done, config["messages"], config["timeout"])
+        figures = await window.until(done, config["messages"], config["timeout"])
+        queue_snapshot = managed.snapshot().queues[0]
+        codes: dict[str, int] = {}
+        for o in managed.delivery_terminal_observations():
+            if o.outcome != "acked":
+                codes[f"{o.outcome} {o.code}"] = codes.get(f"{o.outcome} {o.code}", 0) + 1
+        return figures | {
+            "deliveries": queue_snapshot.received,
+            "replays": queue_snapshot.transient_replays,
+            "not_acked": codes,
+        }
     finally:
         report = await managed.shutdown()
         await client.close()
@@ -382,11 +392,14 @@ async def parent(args: argparse.Namespace) -> int:
                 for kind in order:
                     run = await run_child(args, connection, kind, round_)
                     runs.append(run)
+                    extra = ""
+                    if run.get("deliveries", args.events) != args.events or run.get("replays"):
+                        extra = f"; {run['deliveries']} deliveries, {run['replays']} replays, {run['not_acked']}"
                     print(
                         f"round {round_} {kind:<9}: {args.events / run['seconds']:7.0f} events/s, "
                         f"{run['commands'] / args.events:.3f} commands/event, consumer CPU "
                         f"{run['cpu'] / args.events * 1e6:6.0f} us/event, server CPU "
-                        f"{run['server_cpu'] / args.events * 1e6:6.0f} us/event",
+                        f"{run['server_cpu'] / args.events * 1e6:6.0f} us/event{extra}",
                         file=out,
                         flush=True,
                     )
