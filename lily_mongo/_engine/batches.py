@@ -309,7 +309,7 @@ class Batcher:
         first = members[subset[0]].prepared.delivery
         inbox = self._engine.inbox
         unknown: Literal["retryable", "permanent"] = options.unknown_errors
-        entries = [members[i].entry for i in subset]
+        entries = [self._entry(route, members[i]) for i in subset]
         if route.guarantee == "inbox" and inbox is not None:
 
             def call(attempt: int, scope: MongoScope, batch: Batch[Any]) -> Any:
@@ -393,6 +393,17 @@ class Batcher:
         for i, count in zip(deferred, counts, strict=True):
             if count is not None:
                 executions[i].deferrals = count
+
+    @staticmethod
+    def _entry(route: HandlerRoute, member: _Member) -> BatchEntry[Any]:
+        """The member's entry for a run: after an earlier run (a bisection's half), its body decoded afresh, so a
+        handler that mutated it cannot leak into the next call."""
+        entry = member.entry
+        if member.attempts == 0 or route.terminal is None or route.terminal.extractor is None:
+            return entry
+        return BatchEntry(
+            entry.event_id, entry.retry_count, route.terminal.extractor.extract(entry.delivery), entry.delivery
+        )
 
     @staticmethod
     def _execution(member: _Member, result: PipelineResult) -> Execution:
