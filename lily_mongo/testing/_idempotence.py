@@ -95,12 +95,11 @@ class _Check:
         """A batch handler's rough run: every event delivered in batches under each fault in turn, then
         duplicates inside one batch and across batches, and concurrent batches of the same events."""
         results: list[DeliveryResult] = []
-        faults = [
-            f
-            for scenario in scenarios
-            for f in self.faults_for(0, (scenario,))
-            if scenario in (TRANSIENT, UNKNOWN_COMMIT)
-        ]
+        faults: list[Callable[[int], Awaitable[None]]] = []
+        for n in range(2):  # each kind of fault in turn (a transient commit, then a transient write)
+            for fault in self.faults_for(n, tuple(s for s in scenarios if s in (TRANSIENT, UNKNOWN_COMMIT))):
+                if fault not in faults:
+                    faults.append(fault)
         plan: list[Callable[[int], Awaitable[None]] | None] = [*faults] or [None]
         for inject in plan:
             if inject is not None:
