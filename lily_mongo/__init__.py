@@ -20,6 +20,7 @@ from ._errors import (
 from ._inbox import InboxOptions, MongoDatabase, MongoScope
 from ._lifecycle import Consumer, ManagedConsumer
 from ._outbox import Outbox, OutboxOptions, OutboxTransaction, Relay
+from ._plan.batch import Batch, BatchEntry, BatchItemFailed, BatchOptions
 from ._plan.extractors import Bytes, EventId, Extractor, Json, RawDelivery, Redelivered, RetryCount, Text
 from ._plan.options import QueueOptions, RetryPolicy
 from ._plan.parameters import Depends, Resource
@@ -29,6 +30,10 @@ from ._supervision import ShutdownAction, ShutdownReport
 from .publisher import CustomPublishContent, Publisher
 
 __all__ = [
+    "Batch",
+    "BatchEntry",
+    "BatchItemFailed",
+    "BatchOptions",
     "Bytes",
     "CommitOutcomeUnknown",
     "ConfigError",

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "BATCH_SIZE",
+    "BATCH_SIZE_BUCKETS",
     "DELIVERIES",
     "DURATION_BUCKETS",
     "HANDLER_DURATION",
@@ -92,6 +94,14 @@ RELAY_LAG = Metric(
     "Seconds from an outbox record's commit (its creation, when the backstop relay publishes it) to its "
     "publisher confirm.",
     buckets=LAG_BUCKETS,
+)
+# Deliveries per batch of a batch handler (docs/handlers.md, "Batch handlers").
+BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 4096)
+BATCH_SIZE = Metric(
+    "lily.batch.size",
+    "{delivery}",
+    "Deliveries per batch of a batch handler, as dispatched (max_size reached, max_wait passed, or intake stopped).",
+    buckets=BATCH_SIZE_BUCKETS,
 )
 SENT = Metric(
     "messaging.client.sent.messages",

@@ -22,7 +22,7 @@ one call of an empty method (docs/observability.md).
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ PublishWith = Callable[[dict[str, Any]], Awaitable[None]]
 """``send(headers)``: publish with this header table (the observer may add its trace context)."""
 
 C = TypeVar("C", bound="ClaimAnswer")
+T = TypeVar("T")
 
 
 class ClaimAnswer(Protocol):
@@ -90,6 +91,10 @@ class Observer(Protocol):
         ...
 
     def inbox_commit(self, commit: Awaitable[PipelineResult]) -> Awaitable[PipelineResult]: ...
+
+    def batch(self, run: Awaitable[T], queue: str, size: int, deliveries: Sequence[DeliveryObserver]) -> Awaitable[T]:
+        """One batch of a batch handler, ``size`` deliveries of ``queue`` (their observers), run by ``run``."""
+        ...
 
     def inbox_reconcile(self, reconcile: Awaitable[PipelineResult]) -> Awaitable[PipelineResult]: ...
 
@@ -156,6 +161,9 @@ class _NoObserver:
 
     def inbox_commit(self, commit: Awaitable[PipelineResult]) -> Awaitable[PipelineResult]:
         return commit
+
+    def batch(self, run: Awaitable[T], queue: str, size: int, deliveries: Sequence[DeliveryObserver]) -> Awaitable[T]:
+        return run
 
     def inbox_reconcile(self, reconcile: Awaitable[PipelineResult]) -> Awaitable[PipelineResult]:
         return reconcile

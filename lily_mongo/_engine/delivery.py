@@ -14,6 +14,7 @@ from typing import Any
 from .._observer import NO_DELIVERY, DeliveryObserver
 from .._verdicts import Execution
 from ..envelope import Envelope
+from .barrier import SettleBarrier
 from .message import InboundMessage
 from .queues import QueueState
 
@@ -60,6 +61,7 @@ class Delivery:
     failure_key: bytes = b""
     trace: DeliveryObserver = NO_DELIVERY
     event_id: uuid.UUID | None = None  # a refused delivery's event id (its header was valid); else the envelope's
+    barrier: SettleBarrier | None = None  # a batch member's: its ACK waits for the batch's (docs/handlers.md)
 
 
 def failure_key(message: InboundMessage, envelope: Envelope | None) -> bytes:

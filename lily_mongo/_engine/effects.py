@@ -49,7 +49,10 @@ class DeliveryEffects:
         self.delivery = delivery
 
     def authority(self) -> bool:
-        return self.engine.has_authority and not self.delivery.message.channel.is_closed
+        held = self.engine.has_authority and not self.delivery.message.channel.is_closed
+        if not held and self.delivery.barrier is not None:
+            self.delivery.barrier.arrive(self.delivery)  # it writes nothing: its batch's ACKs need not wait
+        return held
 
     async def handoff(self, step: Step, budget: Budget) -> bool:
         delivery = self.delivery
@@ -106,6 +109,8 @@ class DeliveryEffects:
 
     async def pause_before_requeue(self, budget: Budget, evidence: Evidence) -> None:
         """Short jittered pause before a requeue so a held lease does not cause a hot loop."""
+        if self.delivery.barrier is not None:
+            self.delivery.barrier.arrive(self.delivery)  # its batch's ACKs do not wait for its pause
         count = budget.deferrals if evidence.handoff is not HandoffState.FAILED else budget.handoff_failures
         delay = backoff(count, base=_REQUEUE_PAUSE_BASE, cap=_REQUEUE_PAUSE_CAP, jitter=random.random())
         execution = self.delivery.execution
@@ -115,7 +120,12 @@ class DeliveryEffects:
         await asyncio.sleep(float(min(delay, self.delivery.qs.options.cooperation_window)))
 
     async def write(self, kind: StepKind) -> bool:
-        message = self.delivery.message
+        message, barrier = self.delivery.message, self.delivery.barrier
+        if barrier is not None:  # a batch's ACKs go together, after its handoffs (docs/handlers.md)
+            if kind is StepKind.ACK:
+                await barrier.ready_to_ack(self.delivery)
+            else:
+                barrier.arrive(self.delivery)
         try:
             if kind is StepKind.ACK:
                 await message.ack()

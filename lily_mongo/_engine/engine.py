@@ -43,6 +43,7 @@ from .._tasks import TaskSet
 from .._text import truncate_utf8
 from .._verdicts import Execution, Outcome, PipelineResult
 from ..bounds import BOUNDS
+from .batches import Batcher
 from .delivery import CUT_OFF, DROPPED, EXECUTING, FINISHED, SETTLING, Delivery, failure_key
 from .dispatch import NO_SERVICES, Prepared, Services, invoke, prepare
 from .effects import DeliveryEffects
@@ -108,6 +109,7 @@ class Engine:
         self.deliveries: dict[asyncio.Task[Any], Delivery] = {}
         self.settled_during_shutdown: collections.Counter[str] = collections.Counter()
         self.failures = FailureLog()  # handler failures with their tracebacks, rate-limited per handler
+        self.batches = Batcher(self)  # batch handlers' batches (docs/handlers.md, "Batch handlers")
 
     @property
     def accepting(self) -> bool:
@@ -131,10 +133,8 @@ class Engine:
         self.tasks.spawn(self._sweep_deadlines(), name="lily-deadlines")
 
     def receive(self, qs: QueueState, message: InboundMessage) -> None:
-        """One message from the transport: admitted at once while a permit is free, buffered otherwise.
-
-        The caller gives back what arrives while the engine is not accepting (:meth:`return_unstarted`).
-        """
+        """One message from the transport: admitted at once while a permit is free, buffered otherwise (what
+        arrives while the engine is not accepting, the caller gives back: :meth:`return_unstarted`)."""
         if qs.free_permits > 0 and not qs.buffer:
             qs.free_permits -= 1
             self._admit(qs, message)
@@ -222,8 +222,9 @@ class Engine:
     # -- shutdown steps (called by the lifecycle supervisor, in this order) ---------------
 
     def stop_accepting(self) -> None:
-        """Stop admission: what arrives from now on, and what is buffered, goes back unstarted."""
+        """Stop admission: what arrives from now on, and what is buffered, goes back unstarted; forming batches run."""
         self._enter(Phase.DRAINING)
+        self.batches.flush()
 
     async def return_buffered(self) -> None:
         """Give the buffered (unstarted) deliveries back."""
@@ -234,6 +235,7 @@ class Engine:
     def force_notice(self) -> None:
         """The force notice: cancel running handlers; their deliveries may still settle."""
         self._enter(Phase.FORCING)
+        self.batches.force_notice()
         for task, delivery in list(self.deliveries.items()):
             if delivery.stage is EXECUTING or delivery.stage is CUT_OFF:
                 task.cancel()
@@ -275,7 +277,10 @@ class Engine:
             prepared = prepare(self.plan, qs.options, delivery.message)
             if isinstance(prepared, Prepared):
                 delivery.envelope, delivery.handler_id = prepared.delivery.envelope, prepared.route.handler_id
-                execution = await self._execute(delivery, prepared)
+                if prepared.route.batch is None:
+                    execution = await self._execute(delivery, prepared)
+                else:  # its batch runs it, under the batch's deadline
+                    execution = await self.batches.join(delivery, prepared)
                 if delivery.stage is not SETTLING:
                     return  # dropped (or abandoned): settled elsewhere, this late result is discarded
                 delivery.execution = execution

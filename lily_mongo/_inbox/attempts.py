@@ -76,7 +76,7 @@ class Attempts:
         self._outbox = outbox
         self._observer = observer
         options = store.options
-        self._rules = transaction_rules.Rules(
+        self.rules = self._rules = transaction_rules.Rules(
             replay_budget=options.replay_budget,
             commit_retries=options.commit_retries,
             backoff_base=options.backoff_base,

@@ -46,6 +46,7 @@ from .._tasks import TaskSet
 from .._verdicts import Execution, Outcome, PipelineResult
 from . import first_claim, protocol
 from .attempts import Attempts, Invoke
+from .batch import BatchAttempts
 from .heartbeat import LeaseHeartbeat
 from .lease import Lease, in_time, now, retrieved
 from .options import InboxOptions
@@ -90,6 +91,8 @@ class Inbox:
         # Owner ids: "<consumer>:<process instance>:<attempt number>", unique without a uuid per delivery.
         self._owner_prefix = f"{owner_prefix[:64]}:{uuid.uuid4().hex[:12]}:"
         self._owner_numbers = itertools.count(1)
+        # A batch handler's sets of entries, each in one transaction (docs/handlers.md, "Batch handlers").
+        self.batches = BatchAttempts(self._store, outbox, observer, self._attempts.rules, self._new_owner)
 
     @property
     def records(self) -> str:

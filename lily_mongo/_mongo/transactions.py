@@ -12,7 +12,8 @@ caller bounds them by its own deadline:
 * :func:`retry_commit`: after an unknown result, the same commit again (bounded, two separate
   loops as in PyMongo: the callback is never re-run to find out);
 * :func:`read_back` and :func:`read_back_verdict`: still unknown, the transaction's own record is
-  read with majority read concern from the primary, and decides;
+  read with majority read concern from the primary, and decides (:func:`read_backs`: the records of
+  a batch's transaction, in one read);
 * :func:`abort_quietly`: an abort that never raises (a failed abort drops the server session).
 
 Its rules (what an error's labels mean, how many replays, what the record read back says) are
@@ -48,6 +49,7 @@ __all__ = [
     "commit",
     "majority_reads",
     "read_back",
+    "read_backs",
     "replaying",
     "retry_commit",
     "start_transaction",
@@ -149,6 +151,14 @@ async def read_back(majority: AsyncCollection[Any], key: object, bound: float | 
     with pymongo.timeout(bound):
         record: dict[str, Any] | None = await majority.find_one({"_id": key})
     return record
+
+
+async def read_backs(majority: AsyncCollection[Any], keys: list[Any], bound: float | None) -> dict[Any, dict[str, Any]]:
+    """The records of a transaction that wrote many (``_id`` in ``keys``), by key, in one read from a
+    :func:`majority_reads` collection (a batch handler's, docs/handlers.md)."""
+    with pymongo.timeout(bound):
+        found = await majority.find({"_id": {"$in": keys}}).to_list()
+    return {record["_id"]: record for record in found}
 
 
 async def abort_quietly(session: AsyncClientSession, bound: float | None) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from .._errors import ConfigError, PlanError
 from .._text import describe_value
+from .batch import Batch, BatchExtractor
 from .extractors import Extractor, MongoDatabaseMark, RawDelivery, RawDeliveryExtractor
 
 if TYPE_CHECKING:
@@ -186,6 +187,10 @@ class _Resolver:
         if annotation is inspect.Parameter.empty:
             raise PlanError(f"{where}: parameter {name!r} has no annotation to inject from")
         base, extras = _unwrap(annotation)
+        if typing.get_origin(base) is Batch:
+            parameter = Parameter(name, self._batch(base, f"{where}: parameter {name!r}"))
+            self.terminals.append((prefix + name, parameter))
+            return parameter
         marks = [e for e in extras if isinstance(e, Extractor | Depends | Resource | MongoDatabaseMark)]
         if len(marks) > 1:
             raise PlanError(
@@ -218,6 +223,20 @@ class _Resolver:
             "Redelivered, RawDelivery, MongoScope, MongoDatabase, Annotated[T, Depends(factory)], "
             "Annotated[T, Resource(name)] or Annotated[T, Extractor()]"
         )
+
+    @staticmethod
+    def _batch(annotation: Any, where: str) -> BatchExtractor:
+        """``Batch[Json[T]]`` (or ``Batch[Text]``, ``Batch[Bytes]``, a terminal extractor): each entry's body
+        decoded by the inner extractor (docs/handlers.md, "Batch handlers")."""
+        (inner,) = typing.get_args(annotation) or (None,)
+        base, extras = _unwrap(inner)
+        found = [e for e in extras if isinstance(e, Extractor) and e.terminal]
+        if len(found) != 1:
+            raise PlanError(
+                f"{where}: Batch[...] needs a body extractor for its entries: Batch[Json[T]], Batch[Text], "
+                f"Batch[Bytes] or Batch[Annotated[T, TerminalExtractor()]], got Batch[{inner!r:.80}]"
+            )
+        return BatchExtractor(found[0].bind(base))
 
     def depend(self, factory: Callable[..., Any], where: str) -> Dependency:
         key = id(factory)

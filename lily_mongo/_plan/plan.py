@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from .._errors import PlanError
 from .._text import describe_value
 from ..bounds import BOUNDS, utf8_len
+from .batch import BatchExtractor, check_batch_queue, default_batch_prefetch
 from .options import QueueOptions
-from .parameters import resolve_handler
+from .parameters import Resolved, resolve_handler
 from .routes import Guarantee, Guard, HandlerRoute, Middleware, RouteSpec, routes_of
 
 __all__ = ["Plan", "PlanBuilder"]
@@ -68,9 +69,7 @@ class PlanBuilder:
             raise PlanError("the consumer has no handlers; include at least one @queue handler")
         if len(handlers) > BOUNDS.linked_handlers:
             raise PlanError(f"{len(handlers)} linked handlers, over the bound of {BOUNDS.linked_handlers}")
-        queues = dict(self.queue_options)
-        for handler in handlers:
-            queues.setdefault(handler.queue, QueueOptions(name=handler.queue))
+        queues = _queues_of(self.queue_options, handlers)
         unused = [q for q in self.queue_options if not any(h.queue == q for h in handlers)]
         if unused:
             raise PlanError(f"configured queue {unused[0]!r:.60} has no handler")
@@ -146,6 +145,7 @@ class PlanBuilder:
             )
         if resolved.database and not self.has_mongo:
             raise PlanError(f"{resolved.database[0]}: a MongoDatabase parameter needs a Consumer with a mongo_client")
+        _check_batch(spec, resolved, where)
         return HandlerRoute(
             queue=spec.queue,
             version=spec.version,
@@ -159,4 +159,41 @@ class PlanBuilder:
             trace=spec.trace or spec.queue,
             dependencies=resolved.dependencies,
             resources=resolved.resources,
+            batch=spec.batch,
         )
+
+
+def _queues_of(configured: Mapping[str, QueueOptions], handlers: list[HandlerRoute]) -> dict[str, QueueOptions]:
+    """Every queue's options: as configured, else the defaults; a batch handler's queue must let a batch fill."""
+    queues = dict(configured)
+    for handler in handlers:
+        if handler.batch is not None and handler.queue not in queues:
+            # Not configured: room for a batch running and one forming (docs/configuration.md).
+            queues[handler.queue] = QueueOptions(name=handler.queue, prefetch=default_batch_prefetch(handler.batch))
+        queues.setdefault(handler.queue, QueueOptions(name=handler.queue))
+    for handler in handlers:
+        if handler.batch is not None:
+            check_batch_queue(queues[handler.queue], handler.batch, f"handler {handler.handler_id[:80]!r}")
+    return queues
+
+
+def _check_batch(spec: RouteSpec, resolved: Resolved, where: str) -> None:
+    """A batch handler takes its body as ``Batch[...]`` and reads every event's own values from its entries
+    (docs/handlers.md, "Batch handlers"); a ``Batch[...]`` parameter needs ``@queue(..., batch=...)``."""
+    takes_batch = resolved.terminal is not None and isinstance(resolved.terminal.extractor, BatchExtractor)
+    if spec.batch is None:
+        if takes_batch:
+            raise PlanError(f"{where}: a Batch[...] parameter needs @queue(..., batch=BatchOptions(...))")
+        return
+    if not takes_batch:
+        raise PlanError(
+            f"{where}: @queue(..., batch=...) needs a body parameter Batch[Json[T]] (or Batch[Text], Batch[Bytes])"
+        )
+    every = [*resolved.parameters, *(p for d in resolved.dependencies for p in d.parameters)]
+    for p in every:
+        if p.extractor is not None and not isinstance(p.extractor, BatchExtractor):
+            raise PlanError(
+                f"{where}: parameter {p.name!r} reads one delivery ({type(p.extractor).__name__}), but a batch "
+                "handler is called with many: read each event's id, retry count, body and delivery from its "
+                "Batch entries"
+            )

@@ -13,6 +13,7 @@ from .._errors import ConfigError
 from .._text import describe_value
 from ..bounds import BOUNDS
 from ..envelope import Envelope, check_content_kind
+from .batch import BatchOptions, check_batch_options
 from .extractors import RawDelivery
 from .options import LONGEST_SUFFIX, check_name
 from .parameters import Dependency, Parameter, is_coroutine_function
@@ -50,6 +51,7 @@ class RouteSpec:
     middleware: tuple[Middleware, ...]
     guards: tuple[Guard, ...]
     trace: str | None
+    batch: BatchOptions | None = None
 
 
 def queue(
@@ -62,6 +64,7 @@ def queue(
     middleware: Sequence[Middleware] = (),
     guards: Sequence[Guard] = (),
     trace: str | None = None,
+    batch: BatchOptions | None = None,
 ) -> Callable[[F], F]:
     """Register an ``async def`` handler for (physical queue, schema version, content kind).
 
@@ -69,7 +72,8 @@ def queue(
     ``<queue>/v<version>/<content>/<function qualname>``); renaming it starts a
     new dedup history. ``guarantee`` is ``"inbox"`` (default when the consumer
     has a Mongo client) or ``"at_least_once"``. The decorator may be stacked to
-    serve several versions with one function.
+    serve several versions with one function. ``batch`` makes it a batch handler, whose body
+    parameter is ``Batch[...]`` (docs/handlers.md, "Batch handlers").
     """
     check_name("queue name", name, suffix_bytes=LONGEST_SUFFIX)
     check_int("version", version, BOUNDS.schema_version_min, BOUNDS.schema_version_max)
@@ -85,7 +89,17 @@ def queue(
     for field_name, hooks in (("middleware", middleware), ("guards", guards)):
         if isinstance(hooks, str) or not isinstance(hooks, Sequence) or not all(callable(h) for h in hooks):
             raise ConfigError(f"{field_name} must be a sequence of async callables, got {describe_value(hooks)}")
-    spec = RouteSpec(name, version, content, handler_id, guarantee, tuple(middleware), tuple(guards), trace)
+    spec = RouteSpec(
+        name,
+        version,
+        content,
+        handler_id,
+        guarantee,
+        tuple(middleware),
+        tuple(guards),
+        trace,
+        check_batch_options(batch),
+    )
 
     def decorate(fn: F) -> F:
         if not is_coroutine_function(fn):
@@ -121,6 +135,8 @@ class HandlerRoute:
     dependencies: tuple[Dependency, ...] = ()
     # (name, where) of every Resource the handler or its factories ask for: checked at start.
     resources: tuple[tuple[str, str], ...] = ()
+    # A batch handler's batches (docs/handlers.md, "Batch handlers"); None for a handler of one delivery.
+    batch: BatchOptions | None = None
     # The body-decoding parameter (the handler's or a factory's), found once at plan time, not per delivery.
     terminal: Parameter | None = dataclasses.field(init=False, repr=False, compare=False)
     # True when an attempt needs more than the delivery and the scope: factories, resources, the database.

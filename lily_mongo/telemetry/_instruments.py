@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import metrics as otel_metrics
 
 from .._metrics import (
+    BATCH_SIZE,
     DELIVERIES,
     HANDLER_DURATION,
     OUTBOX_GAUGES,
@@ -80,11 +81,11 @@ class Instruments:
         meter = provider.get_meter(SCOPE)
         self.sources: dict[int, SnapshotSource] = {}
         self.keys = itertools.count()
-        self.process_duration, self.handler_duration, self.relay_lag = (
+        self.process_duration, self.handler_duration, self.relay_lag, self.batch_size = (
             meter.create_histogram(
                 m.name, unit=m.unit, description=m.description, explicit_bucket_boundaries_advisory=m.buckets
             )
-            for m in (PROCESS_DURATION, HANDLER_DURATION, RELAY_LAG)
+            for m in (PROCESS_DURATION, HANDLER_DURATION, RELAY_LAG, BATCH_SIZE)
         )
         self.sent = meter.create_counter(SENT.name, unit=SENT.unit, description=SENT.description)
         for m in QUEUE_COUNTERS:

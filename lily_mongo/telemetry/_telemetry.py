@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Link, SpanKind
 
 from .._clock import aware
 from .._headers import TRACEPARENT_HEADER
 from .._metrics import (
+    BATCH_SIZE,
     HANDLER_DURATION,
     PROCESS_DURATION,
     RELAY_LAG,
 )
-from .._observer import C, PublishWith, SnapshotSource
+from .._observer import C, DeliveryObserver, PublishWith, SnapshotSource
 from ._context import inject, parent_context, with_trace_context
 from ._instruments import SCOPE, SYSTEM, Histogram, instruments_for
 from ._trace import DeliveryTrace, mark_failed, result_attributes
@@ -51,10 +52,11 @@ class Telemetry:
         self.process_duration = Histogram(PROCESS_DURATION)
         self.handler_duration = Histogram(HANDLER_DURATION)
         self.relay_lag = Histogram(RELAY_LAG)
+        self.batch_size = Histogram(BATCH_SIZE)
 
     def histograms(self) -> tuple[Histogram, ...]:
         """The in-process histograms (for the Prometheus exposition)."""
-        return (self.process_duration, self.handler_duration, self.relay_lag)
+        return (self.process_duration, self.handler_duration, self.relay_lag, self.batch_size)
 
     # -- metric sources ---------------------------------------------------------------------------
 
@@ -161,6 +163,35 @@ class Telemetry:
 
     def inbox_commit(self, commit: Awaitable[PipelineResult]) -> Awaitable[PipelineResult]:
         return self.traced("inbox commit", commit, describe=result_attributes)
+
+    async def batch[T](self, run: Awaitable[T], queue: str, size: int, deliveries: Sequence[DeliveryObserver]) -> T:
+        """One ``CONSUMER`` span per batch, ``process batch <queue>``, linked to each delivery's span (each in
+        its own trace, the producer's); the batch-size histogram. The deliveries keep their own spans and
+        per-event outcome metrics."""
+        links = [Link(d.span.get_span_context()) for d in deliveries if isinstance(d, DeliveryTrace)]
+        attributes: dict[str, str | int] = {
+            "messaging.system": SYSTEM,
+            "messaging.operation.type": "process",
+            "messaging.operation.name": "process",
+            "messaging.destination.name": queue,
+            "messaging.batch.message_count": size,
+        }
+        self._instruments.batch_size.record(size, {"messaging.system": SYSTEM, "messaging.destination.name": queue})
+        self.batch_size.record((("queue", queue),), size)
+        with self._tracer.start_as_current_span(
+            f"process batch {queue}",
+            otel_context.Context(),
+            SpanKind.CONSUMER,
+            attributes,
+            links,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                return await run
+            except BaseException as exc:
+                mark_failed(span, exc)
+                raise
 
     def inbox_reconcile(self, reconcile: Awaitable[PipelineResult]) -> Awaitable[PipelineResult]:
         return self.traced("inbox reconcile", reconcile, describe=result_attributes)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import datetime
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._checks import check_bool
@@ -123,6 +124,31 @@ class TestConsumer:
             queue, headers=publication.headers, body=publication.body, content_type=publication.content_type
         )
 
+    async def publish_many[T](
+        self,
+        queue: str,
+        payloads: Sequence[T],
+        *,
+        version: int,
+        content: CustomPublishContent[T] = JSON,
+        event_ids: Sequence[uuid.UUID | None] | None = None,
+        **options: Any,
+    ) -> list[DeliveryResult]:
+        """Deliver every payload at once, as a broker would push them: a batch handler's batches form from them
+        (docs/testing.md, "Batch handlers"). ``event_ids`` gives copies of one event (the same id twice: a
+        duplicate inside a batch); their results come back in order."""
+        ids = event_ids if event_ids is not None else [None] * len(payloads)
+        if len(ids) != len(payloads):
+            raise ConfigError(f"event_ids has {len(ids)} ids for {len(payloads)} payloads")
+        messages = []
+        for payload, event_id in zip(payloads, ids, strict=True):
+            extra = dict(options) if event_id is None else {**options, "event_id": event_id}
+            publication = prepare_publication(content, queue, payload, version=version, **extra)
+            messages.append(
+                InProcessMessage(queue, dict(publication.headers), publication.body, publication.content_type, False)
+            )
+        return list(await asyncio.gather(*(self._deliver(message) for message in messages)))
+
     async def publish_json(self, queue: str, payload: Any, *, version: int, **options: Any) -> DeliveryResult:
         return await self.publish(JSON, queue, payload, version=version, **options)
 
@@ -150,9 +176,11 @@ class TestConsumer:
         engine = self._wiring.engine
         if message.queue not in engine.queues:
             raise ConfigError(f"queue {message.queue!r} has no handler in this consumer")
-        before = len(engine.observations)
         exception = await engine.deliver(message.queue, message)
-        observation = engine.observations.items()[before] if len(engine.observations) > before else None
+        # Its own: the engine records a delivery's observation last thing before deliver() returns, with no
+        # wait between, so deliveries run at once (publish_many, asyncio.gather) each find their own.
+        recorded = engine.observations.items()
+        observation = recorded[-1] if recorded else None
         assert observation is not None, "the delivery recorded no terminal observation"
         if message.settled == "nack_requeue":
             self.requeued.append(message)

@@ -68,6 +68,56 @@ class _Check:
     content: CustomPublishContent[Any]
     faults: Faults
     inbox: bool  # some handler of the queue runs under the inbox (else all are at-least-once)
+    batch: bool = False  # a batch handler serves the queue: events are delivered together, in batches
+
+    async def publish_all(self, tc: TestConsumer, copies: int = 1) -> list[DeliveryResult]:
+        """Every event delivered at once (``copies`` copies of each, side by side): they form batches."""
+        ids = [event_id for event_id, _ in self.events for _ in range(copies)]
+        payloads = [payload for _, payload in self.events for _ in range(copies)]
+        return await tc.publish_many(self.queue, payloads, version=self.version, content=self.content, event_ids=ids)
+
+    async def clean_run(self, tc: TestConsumer) -> None:
+        """Every event once (a batch handler's together, in batches) and its retry copies; each must settle."""
+        if self.batch:
+            firsts = await self.publish_all(tc)
+            retried = {r.event_id: r for r in await tc.deliver_retries()}
+            ends = [retried.get(event_id, first) for (event_id, _), first in zip(self.events, firsts, strict=True)]
+        else:
+            ends = []
+            for event_id, payload in self.events:
+                result = await self.publish(tc, event_id, payload)
+                ends.append(([result, *await tc.deliver_retries()])[-1])
+        for (event_id, _), result in zip(self.events, ends, strict=True):
+            if result.outcome not in _SETTLED:
+                raise _clean_failure(event_id, result, self.inbox)
+
+    async def run_batches(self, tc: TestConsumer, scenarios: tuple[str, ...]) -> list[DeliveryResult]:
+        """A batch handler's rough run: every event delivered in batches under each fault in turn, then
+        duplicates inside one batch and across batches, and concurrent batches of the same events."""
+        results: list[DeliveryResult] = []
+        faults: list[Callable[[int], Awaitable[None]]] = []
+        for n in range(2):  # each kind of fault in turn (a transient commit, then a transient write)
+            for fault in self.faults_for(n, tuple(s for s in scenarios if s in (TRANSIENT, UNKNOWN_COMMIT))):
+                if fault not in faults:
+                    faults.append(fault)
+        plan: list[Callable[[int], Awaitable[None]] | None] = [*faults] or [None]
+        for inject in plan:
+            if inject is not None:
+                await inject(1)
+            try:
+                results += await self.publish_all(tc)
+            finally:
+                await self.faults.clear()
+        if DUPLICATE in scenarios:
+            results += await self.publish_all(tc, copies=2)  # two copies of each event in one batch
+            results += await self.publish_all(tc)  # and in later batches
+        if CONCURRENT in scenarios:
+            for batch in await asyncio.gather(self.publish_all(tc), self.publish_all(tc)):
+                results += batch
+        await _settle_all(tc, results)
+        await tc.deliver_retries()
+        await _settle_all(tc, results)
+        return results
 
     async def publish(self, tc: TestConsumer, event_id: uuid.UUID, payload: Any) -> DeliveryResult:
         return await tc.publish(self.content, self.queue, payload, version=self.version, event_id=event_id)
@@ -97,6 +147,8 @@ class _Check:
 
     async def run(self, tc: TestConsumer, scenarios: tuple[str, ...]) -> list[DeliveryResult]:
         """Every event through ``scenarios``, in order; then whatever the broker would deliver again."""
+        if self.batch:
+            return await self.run_batches(tc, scenarios)
         results: list[DeliveryResult] = []
         for n, (event_id, payload) in enumerate(self.events):
             faults = self.faults_for(n, scenarios)
@@ -175,14 +227,17 @@ async def check_idempotent(
     ``MongoDatabase`` (the fresh databases), and its transient fault is a failed write
     (a retry follows). A clean delivery that does not succeed fails the check too; when
     it was replayed without any fault, the message names the likely cause (a write
-    outside ``mongo.session``). All databases are dropped afterwards. Needs a server
-    that supports ``configureFailPoint`` (see :class:`Faults`).
+    outside ``mongo.session``). A batch handler's queue gets its events delivered together, so
+    that they form batches: under each fault in turn, then with two copies of every event in
+    one batch and more in later batches, then as two concurrent sets. All databases are dropped
+    afterwards. Needs a server that supports ``configureFailPoint`` (see :class:`Faults`).
     """
     settings = consumer.settings
     client = settings.mongo_client
     if client is None:
         raise ConfigError("check_idempotent needs a consumer with a mongo_client")
-    guarantees = {route.guarantee for route in consumer.plan().handlers if route.queue == queue}
+    routes = [route for route in consumer.plan().handlers if route.queue == queue]
+    guarantees = {route.guarantee for route in routes}
     if not guarantees:
         raise ConfigError(f"check_idempotent: queue {queue!r} has no handler in this consumer")
     base = f"lily_idem_{uuid.uuid4().hex[:10]}"
@@ -194,6 +249,7 @@ async def check_idempotent(
         content,
         Faults(client),
         inbox="inbox" in guarantees,
+        batch=any(route.batch is not None for route in routes),
     )
     used: list[str] = []
 
@@ -207,11 +263,7 @@ async def check_idempotent(
         clean_name = f"{base}_clean"
         used.append(clean_name)
         async with TestConsumer(consumer, database=clean_name) as clean:
-            for event_id, payload in check.events:
-                result = await check.publish(clean, event_id, payload)
-                result = ([result, *await clean.deliver_retries()])[-1]
-                if result.outcome not in _SETTLED:
-                    raise _clean_failure(event_id, result, check.inbox)
+            await check.clean_run(clean)
         clean_state = await read_state(client[clean_name])
         rough_state = await state_after(_SCENARIOS, f"{base}_rough")
         if rough_state == clean_state:

@@ -79,7 +79,7 @@ def pause(monkeypatch: pytest.MonkeyPatch, budget: Budget, evidence: Evidence, *
     monkeypatch.setattr("lily_mongo._engine.effects.asyncio.sleep", sleep)
     execution = Execution(PipelineResult(Outcome.DEFERRED), backoff_limit=options.pop("backoff_limit", None))
     queue_options = SimpleNamespace(cooperation_window=options.pop("cooperation_window", 5.0))
-    delivery = SimpleNamespace(execution=execution, qs=SimpleNamespace(options=queue_options))
+    delivery = SimpleNamespace(execution=execution, qs=SimpleNamespace(options=queue_options), barrier=None)
     effects = effects_module.DeliveryEffects(None, delivery)  # type: ignore[arg-type]
     asyncio.run(effects.pause_before_requeue(budget, evidence))
     (delay,) = slept
