@@ -53,9 +53,8 @@ import aio_pika.abc
 from pymongo import AsyncMongoClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_inbox import (  # the per-message contenders, the command log and the set-up are bench_inbox's
+from benchmarks.bench_inbox import (  # the per-message contenders, the command log and the set-up are bench_inbox's
     BUSINESS,
     POLL,
     CommandLog,

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import random
 import signal
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,9 +39,12 @@ from lily_mongo import (
 )
 from lily_mongo.telemetry import Telemetry
 from lily_mongo.testing import Faults
-from tests.integration.test_inbox_processes import ROOT, Workers
 from tests.integration.test_telemetry import Sdk, metric_points, spans_of
-from tests.support import Broker, CommandLog, MongoDB, eventually, running
+from tests.support.broker import Broker
+from tests.support.consumers import running
+from tests.support.mongo import CommandLog, MongoDB
+from tests.support.polling import eventually
+from tests.support.processes import worker_processes
 
 WORKER = Path(__file__).resolve().parent / "workers" / "batch_worker.py"
 RECORDS = "lily_inbox"
@@ -112,7 +113,7 @@ async def test_a_thousand_events_with_duplicates_and_poison_each_end_on_their_ow
     q = broker.queue("ingest")
     handler_id = f"{q}/ingest"
     rng = random.Random(30)
-    events = [(uuid.uuid4(), {"n": n}) for n in range(1000)]
+    events: list[tuple[uuid.UUID, dict[str, Any]]] = [(uuid.uuid4(), {"n": n}) for n in range(1000)]
     poison = {3: "raise", 250: "fail", 499: "raise", 730: "fail", 998: "raise"}
     for n, kind in poison.items():
         events[n] = (events[n][0], {"n": n, "poison": kind})
@@ -226,25 +227,6 @@ async def test_a_graceful_shutdown_runs_a_half_formed_batch(broker: Broker, mong
     assert await broker.depth(q) == 0
 
 
-class BatchWorkers(Workers):
-    """Batch worker processes started by one test; killed at the end if still running."""
-
-    async def start(self, name: str, *args: str) -> asyncio.subprocess.Process:
-        with (self.directory / f"{name}.out").open("wb") as out, (self.directory / f"{name}.err").open("wb") as err:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                str(WORKER),
-                *args,
-                "--name",
-                name,
-                stdout=out,
-                stderr=err,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-            )
-        self.processes[name] = process
-        return process
-
-
 def worker_args(broker: Broker, mongodb: MongoDB, q: str, handler_id: str) -> list[str]:
     return [
         *("--mongo-uri", mongodb.uri, "--amqp", broker.url, "--database", mongodb.name, "--queue", q),
@@ -258,33 +240,28 @@ async def test_a_batch_killed_between_its_commit_and_its_acks_is_absorbed_as_dup
     q = broker.queue("killed")
     handler_id = f"{q}/ingest"
     common = [*worker_args(broker, mongodb, q, handler_id), "--max-size", "20", "--max-wait", "5"]
-    workers = BatchWorkers(tmp_path)
-    try:
+    async with worker_processes(WORKER, tmp_path) as workers:
         a = await workers.start("batch-a", *common, "--stall-acks")
-        await workers.wait_for_record("batch-a", "ready")
         ids = await broker.publish_all(q, [{"n": n} for n in range(20)])
 
         async def committed() -> bool:
             return await mongodb.db[RECORDS].count_documents({"state": "completed"}) == 20
 
         await eventually(committed, timeout=30.0, interval=0.05, what="A's batch to commit")
-        a.send_signal(signal.SIGKILL)
-        assert await a.wait() == -signal.SIGKILL
+        await a.kill()
+        assert a.returncode == -signal.SIGKILL
         assert [r["batch"] for r in workers.records("batch-a") if "batch" in r] == [20]
         assert await broker.wait_for_depth(q, 20) == 20  # none was ACKed: the broker has them all back
         b = await workers.start("batch-b", *common)
-        await workers.wait_for_record("batch-b", "ready")
         assert await broker.wait_for_depth(q, 0, timeout=30.0) == 0
 
         async def b_settled() -> bool:
             return await broker.wait_for_depth(q, 0, timeout=0.1) == 0
 
         await eventually(b_settled, timeout=20.0)
-        b.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(b.wait(), 20.0) == 0, workers.stderr("batch-b")
+        ended = await b.stop(timeout=20.0)
+        assert ended.returncode == 0, ended.describe()
         final = await workers.wait_for_record("batch-b", "observations")
-    finally:
-        await workers.close()
     assert [o["outcome"] for o in final["observations"]] == ["duplicate"] * 20
     assert not [r for r in workers.records("batch-b") if "batch" in r]  # the handler never ran again
     assert await effects_per_event(mongodb) == collections.Counter({str(i): 1 for i in ids})
@@ -300,19 +277,15 @@ async def test_several_batch_consumers_killed_at_random_lose_nothing_and_double_
     events = [(uuid.uuid4(), {"n": n}) for n in range(400)]
     stream = events + rng.sample(events, 40)
     rng.shuffle(stream)
-    workers = BatchWorkers(tmp_path)
     kills = 0
-    try:
+    async with worker_processes(WORKER, tmp_path) as workers:
         for name in ("w1", "w2", "w3"):
             await workers.start(name, *common)
-        for name in ("w1", "w2", "w3"):
-            await workers.wait_for_record(name, "ready", timeout=60.0)
         await publish_with_ids(broker, q, stream)
         for generation in range(1, 5):  # kill one worker at random, start a fresh one
             await asyncio.sleep(rng.uniform(0.5, 1.5))
-            victim = rng.choice([n for n, p in workers.processes.items() if p.returncode is None])
-            workers.processes[victim].send_signal(signal.SIGKILL)
-            await workers.processes[victim].wait()
+            victim = rng.choice([n for n, c in workers.children.items() if c.returncode is None])
+            await workers.children[victim].kill()
             kills += 1
             await workers.start(f"w{3 + generation}", *common)
 
@@ -321,20 +294,18 @@ async def test_several_batch_consumers_killed_at_random_lose_nothing_and_double_
             return len(effects) == len(events) and await broker.wait_for_depth(q, 0, timeout=0.1) == 0
 
         await eventually(all_applied, timeout=180.0, interval=0.5, what="every event applied")
-        for process in workers.processes.values():
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-        for process in workers.processes.values():
-            if process.returncode is None or process.returncode >= 0:
-                await asyncio.wait_for(process.wait(), 30.0)
-    finally:
-        await workers.close()
+        running_now = [c for c in workers.children.values() if c.returncode is None]
+        for child in running_now:
+            child.send_signal(signal.SIGTERM)
+        for child in running_now:
+            ended = await child.finish(30.0)
+            assert ended.returncode == 0, ended.describe()
     assert kills == 4
     effects = await effects_per_event(mongodb)
     assert set(effects) == {str(e) for e, _ in events}  # 0 lost
     assert set(effects.values()) == {1}  # 0 doubled
     assert await broker.depth(f"{q}.dlq") == 0
-    sizes = [r["batch"] for name in workers.processes for r in workers.records(name) if "batch" in r]
+    sizes = [r["batch"] for name in workers.children for r in workers.records(name) if "batch" in r]
     assert max(sizes) > 1  # batched
 
 

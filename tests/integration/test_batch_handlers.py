@@ -30,7 +30,7 @@ from lily_mongo import (
     queue,
 )
 from lily_mongo.testing import TestConsumer, check_idempotent
-from tests.support import CommandLog, MongoDB
+from tests.support.mongo import CommandLog, MongoDB
 
 NO_BROKER = "amqp://guest:guest@127.0.0.1:1/"
 HANDLER = "readings.batch"
