@@ -9,6 +9,10 @@ uses them (docs/emulator.md):
 * a command of a transaction the server aborted (a write conflict, its age) fails
   with NoSuchTransaction, as on MongoDB, until the session aborts it or starts
   another;
+* a failed command aborts its transaction, as MongoDB's service entry point does
+  (inside a transaction a write error is the command's error); a commit whose
+  outcome is unknown, or whose connection closed on it, leaves it open but yielding
+  (:mod:`.transactions`);
 * ``startTransaction`` on a session whose transaction is still open aborts that
   one first (MongoDB's rule for a new transaction number; mongoeco would carry the
   old transaction's writes into the new one);
@@ -37,7 +41,7 @@ from .transactions import TransactionBook
 __all__ = ["LilyCommandExecutor", "LilySessionStore"]
 
 _UNKNOWN_COMMIT = "UnknownTransactionCommitResult"
-# The SQLite engine's answer to a second concurrent transaction (docs/emulator.md, "--data").
+# The SQLite engine's answer to a second concurrent transaction (docs/emulator.md, "The SQLite engine").
 _ENGINE_BUSY = "already has an active transaction"
 
 

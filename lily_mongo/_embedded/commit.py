@@ -1,4 +1,5 @@
-"""A transaction's commit, document by document (MongoDB's rule, docs/emulator.md "Write conflicts").
+"""A transaction's commit, document by document (MongoDB's rule, docs/emulator.md
+"The corrections").
 
 mongoeco commits a transaction by installing its copies of the collections it
 touched over the live ones, and so refuses it whenever anything at all was written

@@ -3,7 +3,7 @@
 A subclass of the engine, made for the one server process that runs it (nothing of
 mongoeco's is changed for anyone else). It keeps mongoeco's MVCC (every transaction
 reads its snapshot) and changes what happens around a write and a commit
-(docs/emulator.md, "Write conflicts" and "Writers that wait"):
+(docs/emulator.md, "The corrections"):
 
 * every document write passes through mongoeco's two storage primitives, which this
   class overrides to decide first (:meth:`LilyMemoryEngine._admit`): a write that
@@ -97,7 +97,9 @@ class LilyMemoryEngine(MemoryEngine):
         except OperationFailure as exc:
             if "Write conflict" not in str(exc):
                 raise
-            raise self.transactions.conflict(transaction, "the collection's definition changed") from None
+            raise self.transactions.conflict(
+                transaction, "written since the snapshot of a transaction that changed a definition"
+            ) from None
         self.transactions.end(session.session_id)
 
     def _transaction_of(self, storage: object) -> Transaction | None:

@@ -5,7 +5,7 @@ storage key, and each secondary index as a persistent hash map from index key to
 members (``MemoryIndexMap``). Its planner uses them for an equality on ``_id`` that
 finds its document and for an equality on a single-field index; everything else
 walks the whole collection. Three of those walks are what lily's commands hit, each
-costing time in proportion to the collection (docs/emulator.md, "Cost"):
+costing time in proportion to the collection (docs/emulator.md, "The corrections"):
 
 * **every single-document insert** compares its ``_id`` with every stored ``_id``
   (``scan_payload_id``): BSON equality holds 1, 1.0 and Decimal128("1") equal, which

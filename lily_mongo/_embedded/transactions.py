@@ -5,7 +5,7 @@ every collection's roots, taken at its start) and, at commit, refuses it if
 *anything* was written since (one global version number), else installs the
 transaction's copies of the collections it touched over the live ones. This book
 keeps, per transaction, what MongoDB's per-document rule needs instead
-(docs/emulator.md, "Write conflicts"):
+(docs/emulator.md, "The corrections"):
 
 * ``written``: each document the transaction wrote, with the version it wrote over
   (the one its snapshot held). The first write checks that version is still the
@@ -20,8 +20,8 @@ keeps, per transaction, what MongoDB's per-document rule needs instead
   outcome, or the connection of its last command was lost. MongoDB keeps such a
   transaction, and its documents, until the client uses the session again or the
   lifetime runs out; here the next writer that needs one of its documents aborts it
-  instead of waiting or conflicting (a deviation, docs/emulator.md "Abandoned
-  transactions"). Until then a retry of its commit still commits.
+  instead of waiting or conflicting (a deviation, docs/emulator.md "Deviations
+  that remain"). Until then a retry of its commit still commits.
 
 Versions are compared by identity: mongoeco replaces a document's stored version
 on every write and shares unchanged ones between snapshots.
@@ -88,6 +88,7 @@ class TransactionBook:
         are released now; its next command is refused (:meth:`refusal`) until the session ends it."""
         if transaction.aborted is None:
             transaction.aborted = reason
+        transaction.written.clear()  # its commit is refused from now on: keep no document alive
         self.locks.release_all(transaction.session_id)
 
     def refusal(self, session_id: str) -> Refusal | None:
