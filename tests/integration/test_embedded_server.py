@@ -337,10 +337,17 @@ async def test_a_transaction_older_than_the_lifetime_is_aborted_and_lets_go_of_i
 
 async def test_hello_describes_a_standalone_server_by_default(servers: dict[str, str]) -> None:
     for uri in servers.values():
-        async with connected(uri) as client:
-            hello = await client.admin.command("hello")
-            assert "setName" not in hello
-            assert hello["isWritablePrimary"] is True
+        plain = uri.split("?", 1)[0]  # the README's URI: no directConnection, no replicaSet
+        for each in (uri, plain):
+            async with connected(each) as client:
+                hello = await client.admin.command("hello")
+                assert "setName" not in hello
+                assert hello["isWritablePrimary"] is True
+                async with client.start_session() as session:
+                    await session.start_transaction()
+                    await client.emb_standalone.docs.insert_one({"uri": each}, session=session)
+                    await session.commit_transaction()
+                assert client.topology_description.topology_type_name == "Single"
 
 
 async def test_as_a_replica_set_plain_direct_and_named_uris_work() -> None:
