@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--lease-seconds", type=float, default=1.0)
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--deadline", type=float, default=60.0)
-    parser.add_argument("--max-deferrals", type=int, default=50)
+    parser.add_argument("--max-deferrals", type=int, default=20)  # QueueOptions' default
     asyncio.run(run(parser.parse_args()))
 
 
