@@ -356,8 +356,8 @@ async def hand_commit(session: Any) -> bool:
             if not exc.has_error_label(UNKNOWN_COMMIT) or retry == COMMIT_RETRIES:
                 break
     # A replay is safe even if the commit did apply: its inbox insert then meets the key.
-    # The emulator keeps a transaction whose commit failed open on its server session and
-    # commits it with the session's next transaction (docs/emulator.md): never reuse it.
+    # mongoeco as it ships keeps a transaction whose commit failed open on its server session
+    # and commits it with the session's next transaction (docs/emulator.md): never reuse it.
     mark_dirty = getattr(getattr(session, "_server_session", None), "mark_dirty", None)
     if callable(mark_dirty):
         mark_dirty()

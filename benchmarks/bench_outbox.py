@@ -40,10 +40,11 @@ local RabbitMQ as guest.)
     arrival at the destination minus its transaction's commit (the child's
     ``commitTransaction`` reply, CommandListener; both clocks are this machine's).
 
-On the embedded emulator every write anywhere fails any transaction open at that
-moment (docs/emulator.md): the dispatcher's batched marks, the hand peer's per-record
-marks and the relay's claims make concurrent transactions replay there, which
-MongoDB does not do. Replays are reported per contender; no default is tuned to it.
+mongoeco as it ships fails every transaction open at any write anywhere: there the
+dispatcher's batched marks, the hand peer's per-record marks and the relay's claims
+made concurrent transactions replay, which MongoDB does not do; the embedded server
+conflicts per document as MongoDB does (docs/emulator.md). Replays are reported per
+contender; no default is tuned to the emulator.
 """
 
 from __future__ import annotations

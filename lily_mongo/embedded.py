@@ -1,24 +1,39 @@
-"""An embedded MongoDB-wire server for the demo and the test suite.
+"""An embedded MongoDB-wire server for the demo, the test suite and developing a service.
 
 Runs ``mongoeco``'s wire server (``pip install 'lily-mongo[embedded]'``, Python
 >= 3.13) so real PyMongo clients talk to it over TCP. It is an emulator, not
-MongoDB: see docs/emulator.md for every deviation the library copes with.
+MongoDB: docs/emulator.md lists every deviation that remains and how the library
+copes with it.
 
-One deviation is corrected here, in this process only: mongoeco's wire layer
-answers ``commitTransaction`` outside its ``failCommand`` check, so a
-``configureFailPoint`` on ``commitTransaction`` never fires. MongoDB does fire
-it (before the commit applies), and the commit-failure tests rely on that, so
-the server started here consults the same failpoint state for commits. The
-correction replaces a private mongoeco handler, so it is made only on the
+The server started here corrects mongoeco where lily's semantics depend on
+MongoDB's behaviour, in its own process only (subclasses of mongoeco's engine, wire
+executor and sessions, made for that server: ``lily_mongo._embedded``), and the
+commit failpoints (mongoeco's wire layer answers ``commitTransaction`` outside its
+``failCommand`` check; the server consults the same failpoint state for commits,
+before the commit applies, as MongoDB does):
+
+* write conflicts per document, at the write, as WriteConflict (112) with the
+  ``TransientTransactionError`` label; a transaction holds what it wrote, and a
+  write outside any transaction waits for it, within its ``maxTimeMS``
+  (MaxTimeMSExpired, 50);
+* ``_id`` lookups, ``$in`` on ``_id`` and partial indexes through mongoeco's own
+  hash maps instead of walks of the collection: costs flat in its size;
+* ``hello`` as a replica set's primary, ``getParameter`` / ``setParameter`` of
+  ``transactionLifetimeLimitSeconds``, enforced by a reaper; retryable writes
+  answered once.
+
+Each correction reaches into mongoeco's internals, so they are made only on the
 mongoeco versions the suite ran on (:data:`TESTED_MONGOECO`); on any other the
-server runs as mongoeco ships it (commit failpoints do not fire) and one INFO
-line on the ``lily_mongo`` logger says so (docs/emulator.md).
+server runs mongoeco as it ships and one INFO line on the ``lily_mongo`` logger says
+so. ``--as-shipped`` (``EmbeddedServer(as_shipped=True)``) runs it as it ships on
+purpose, for the tests and the benchmark that compare the two.
 
-Run as ``python -m lily_mongo.embedded [--host H] [--port P]``; it prints
-``READY <uri>`` on stdout once it accepts connections and stops on SIGTERM/SIGINT.
-``lily-mongo embedded`` runs the same server for developing your own service:
-on port 27017 by default, in memory, or with ``--data DIR`` in mongoeco's SQLite
-engine (kept between runs, but one transaction at a time: docs/emulator.md).
+Run as ``python -m lily_mongo.embedded [--host H] [--port P] [--data DIR] [--replica-set]
+[--as-shipped]``; it
+prints ``READY <uri>`` on stdout once it accepts connections and stops on
+SIGTERM/SIGINT. ``lily-mongo embedded`` runs the same server for developing your own
+service: on port 27017 by default, in memory, or with ``--data DIR`` in mongoeco's
+SQLite engine (kept between runs, but one transaction at a time: docs/emulator.md).
 """
 
 from __future__ import annotations
@@ -57,8 +72,10 @@ class EmbeddedServer:
     Used by the pytest plugin (``lily_mongo.pytest_plugin``), the demo and the test suite.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, as_shipped: bool = False, replica_set: bool = False) -> None:
         self._process: subprocess.Popen[str] | None = None
+        self._as_shipped = as_shipped  # mongoeco without the corrections (the comparisons of the tests)
+        self._replica_set = replica_set  # hello as a replica set's primary
         self.uri = ""
 
     def __enter__(self) -> EmbeddedServer:
@@ -70,9 +87,12 @@ class EmbeddedServer:
 
     def start(self) -> str:
         """Start it and return its MongoDB URI once it accepts connections."""
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "lily_mongo.embedded", "--port", "0"], stdout=subprocess.PIPE, text=True
-        )
+        command = [sys.executable, "-m", "lily_mongo.embedded", "--port", "0"]
+        if self._as_shipped:
+            command.append("--as-shipped")
+        if self._replica_set:
+            command.append("--replica-set")
+        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         assert self._process.stdout is not None
         line = self._process.stdout.readline()
         if not line.startswith("READY "):
@@ -140,6 +160,20 @@ def _ready_line(uri: str) -> None:
     print(f"READY {uri}", flush=True)
 
 
+def _corrections() -> bool:
+    """True when this mongoeco is one the corrections were tested on; else says so once at INFO."""
+    version = installed_version("mongoeco")
+    if TESTED_MONGOECO.covers(version):
+        return True
+    log.info(
+        "the embedded server runs mongoeco %s as it ships (tested: %s): write conflicts are global, no writer "
+        "waits, lookups walk collections, hello says standalone (docs/emulator.md)",
+        version,
+        TESTED_MONGOECO,
+    )
+    return False
+
+
 async def serve(
     host: str = "127.0.0.1",
     port: int = 0,
@@ -148,24 +182,38 @@ async def serve(
     stop: asyncio.Event | None = None,
     data: Path | None = None,
     announce: Callable[[str], None] = _ready_line,
+    as_shipped: bool = False,
+    replica_set: bool = False,
 ) -> None:
     """Serve until ``stop`` is set (or forever); ``announce(uri)`` once listening (``READY <uri>`` on stdout).
 
     In memory, or with ``data`` (an existing directory) in mongoeco's SQLite engine, whose file
-    (:data:`DATA_FILE`) keeps the data between runs. Raises OSError when the address is
-    taken or not this machine's.
+    (:data:`DATA_FILE`) keeps the data between runs. With ``as_shipped``, mongoeco without any
+    correction; with ``replica_set``, ``hello`` answers as a replica set's primary
+    (docs/emulator.md). Made for a process of its own: the commit failpoint correction replaces
+    a handler of mongoeco's for the whole process. Raises OSError when the address is taken or
+    not this machine's.
     """
-    from mongoeco.wire import AsyncMongoEcoProxyServer
-
-    _patch_commit_failpoints()
     stop = stop or asyncio.Event()
     engine = None
     if data is not None:
         from mongoeco.engines.sqlite import SQLiteEngine
 
         engine = SQLiteEngine(str(data / DATA_FILE))
-    async with AsyncMongoEcoProxyServer(host=host, port=port, engine=engine) as server:
-        announce(server.address.uri)
+    if not as_shipped and _corrections():
+        _patch_commit_failpoints()
+        from ._embedded.server import running
+
+        async with running(host, port, sqlite=engine, replica_set=replica_set) as server:
+            announce(server.address.uri)
+            if ready is not None:
+                ready.set()
+            await stop.wait()
+        return
+    from mongoeco.wire import AsyncMongoEcoProxyServer
+
+    async with AsyncMongoEcoProxyServer(host=host, port=port, engine=engine) as shipped:
+        announce(shipped.address.uri)
         if ready is not None:
             ready.set()
         await stop.wait()
@@ -176,6 +224,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lily_mongo.embedded", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--as-shipped", action="store_true", help="run mongoeco without the corrections")
+    parser.add_argument(
+        "--replica-set", action="store_true", help="answer hello as a replica set's primary (set lily-embedded)"
+    )
+    parser.add_argument("--data", type=Path, help="keep the data in this existing directory (the SQLite engine)")
     args = parser.parse_args(argv)
 
     async def run() -> None:
@@ -183,7 +236,9 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(args.host, args.port, stop=stop)
+        await serve(
+            args.host, args.port, stop=stop, data=args.data, as_shipped=args.as_shipped, replica_set=args.replica_set
+        )
 
     try:
         asyncio.run(run())

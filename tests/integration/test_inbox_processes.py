@@ -176,11 +176,10 @@ async def test_a_competing_copy_during_a_long_handler_never_applies_the_event_tw
     broker: Broker, mongodb: MongoDB
 ) -> None:
     # Replica A runs a 3 s handler with a 1 s lease; replica B gets a second copy meanwhile.
-    # On MongoDB, B's claim waits for A's transaction, then finds the event completed. The
-    # emulator has no document locks: B's claim goes through, and once A's lease has expired
-    # B takes the record over; A's commit then fails (the emulator fails a commit after any
-    # concurrent write) and its replay finds the lease gone. Either way the event is applied
-    # exactly once and every delivery ends acked, duplicate or deferred.
+    # B's claim waits for A's transaction (which holds the record), is deferred when its wait
+    # runs out, and finds the event completed once A commits. Either way the event is applied
+    # exactly once and every delivery ends acked, duplicate or deferred, within the default
+    # deferral bound.
     q, handler_id, event, key = one_event(broker, "compete")
     db = mongodb.db
     options = InboxOptions(lease_seconds=1.0, replay_budget=5)
@@ -198,7 +197,7 @@ async def test_a_competing_copy_during_a_long_handler_never_applies_the_event_tw
         await mongo.database[EFFECTS].insert_one({"event_id": str(event_id), "by": "b"}, session=mongo.session)
 
     # prefetch 1: while A works, the broker gives the second copy to B.
-    settings: dict[str, Any] = {"inbox": options, "concurrency": 1, "prefetch": 1, "max_deferrals": 50}
+    settings: dict[str, Any] = {"inbox": options, "concurrency": 1, "prefetch": 1}
 
     def consumer(replica: MongoDB, name: str, handler: Callable[..., Awaitable[None]]) -> Consumer:
         retry = RetryPolicy(max_retries=1, delays=(0.2,))

@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--lease-seconds", type=float, default=1.0)
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--deadline", type=float, default=60.0)
-    parser.add_argument("--max-deferrals", type=int, default=50)
+    parser.add_argument("--max-deferrals", type=int, default=20)  # QueueOptions' default
     parser.add_argument("--queue-type", choices=("classic", "quorum"), default="classic")
     parser.add_argument("--passive", action="store_true", help="take the queues as they are declared")
     parser.add_argument("--die-in-handler", action="store_true")
