@@ -68,7 +68,6 @@ from benchmarks.bench_inbox import (  # the per-message contenders, the command 
     depth,
     publish,
 )
-
 from lily_mongo import (
     Batch,
     BatchOptions,

@@ -57,7 +57,9 @@ from pymongo.write_concern import WriteConcern
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lily_mongo._outbox_protocol import (
+from lily_mongo._inbox.first_claim import first_claim_update
+from lily_mongo._inbox.protocol import record_key
+from lily_mongo._outbox.protocol import (
     DUE_SORT,
     FAILED,
     PENDING,
@@ -68,7 +70,6 @@ from lily_mongo._outbox_protocol import (
     mark_update,
     new_record,
 )
-from lily_mongo.records import first_claim_update, record_key
 
 CONTENDERS = ("lily", "shipped")
 LABELS = {"lily": "lily_mongo.embedded", "shipped": "mongoeco as it ships"}
@@ -237,7 +238,7 @@ def run(contender: str, sizes: list[int], blocks: int) -> dict[int, dict[str, di
             by_size = {size: Collections(client, size, blocks + 1) for size in sizes}
             print(f"  {contender:<7} filled {sizes} in {time.perf_counter() - started:.0f} s", flush=True)
             tallies = {size: {name: Tally() for name in MEASURES} for size in sizes}
-            operations = {
+            operations: dict[str, tuple[Callable[[Collections], Callable[[], None]], int]] = {
                 "outbox insert": (lambda c: c.insert, INSERTS),
                 "inbox claim": (lambda c: c.claim, INSERTS),
                 "mark 100": (lambda c: c.mark, 1),

@@ -125,7 +125,7 @@ async def scrape(session: aiohttp.ClientSession, port: int) -> dict[str, float]:
     """The service's counters summed over its queues and workers: deliveries by outcome, replays, deferrals."""
     async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
         text = await response.text()
-    counts: collections.Counter[str] = collections.Counter()
+    counts: dict[str, float] = collections.defaultdict(float)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if not sample.name.endswith("_total"):

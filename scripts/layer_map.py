@@ -2,8 +2,8 @@
 
 Each layers contract is a container and its layers, highest first; each module is shown with the
 first line of its docstring. ``tests/unit/test_layer_map.py`` holds CONTRIBUTING.md's block equal to
-this output, so the map in the guide cannot drift from the contracts CI checks. Run it with
-``uv run python scripts/layer_map.py`` and paste its output between the markers.
+this output, so the map in the guide cannot drift from the contracts CI checks.
+``uv run python scripts/layer_map.py`` prints it; with ``--write`` it replaces the block in CONTRIBUTING.md.
 """
 
 from __future__ import annotations
@@ -45,5 +45,16 @@ def layer_map() -> str:
     return "\n".join(lines)
 
 
+def write() -> None:
+    """Replace the block between the markers of CONTRIBUTING.md with :func:`layer_map`."""
+    guide = ROOT / "CONTRIBUTING.md"
+    text = guide.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    guide.write_text(text[:start] + layer_map() + text[end:])
+
+
 if __name__ == "__main__":
-    sys.stdout.write(layer_map() + "\n")
+    if sys.argv[1:] == ["--write"]:
+        write()
+    else:
+        sys.stdout.write(layer_map() + "\n")

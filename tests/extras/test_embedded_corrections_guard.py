@@ -9,12 +9,13 @@ import logging
 import pytest
 
 from lily_mongo import embedded
+from lily_mongo._versions import installed_version
 
 pytest.importorskip("mongoeco")
 
 
 def test_on_the_tested_mongoeco_the_corrections_are_made() -> None:
-    assert embedded.TESTED_MONGOECO.covers(embedded.installed_version("mongoeco"))
+    assert embedded.TESTED_MONGOECO.covers(installed_version("mongoeco"))
     assert embedded._corrections() is True
 
 

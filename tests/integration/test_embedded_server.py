@@ -23,7 +23,7 @@ from pymongo import AsyncMongoClient
 from pymongo.errors import DuplicateKeyError, OperationFailure, ServerSelectionTimeoutError
 
 from lily_mongo.embedded import EmbeddedServer, available
-from tests.support import CuttingProxy, Streams
+from tests.support.proxy import CuttingProxy, Streams
 
 pytestmark = pytest.mark.skipif(not available(), reason="the embedded server needs the 'embedded' extra")
 
@@ -369,14 +369,14 @@ async def test_as_a_replica_set_plain_direct_and_named_uris_work() -> None:
                     await client.emb_rs.docs.insert_one({"uri": uri}, session=session)
                     await session.commit_transaction()
                 assert client.topology_description.topology_type_name == topology
-        client: AsyncMongoClient[Any] = AsyncMongoClient(
+        other: AsyncMongoClient[Any] = AsyncMongoClient(
             f"mongodb://{address}/?replicaSet=another", serverSelectionTimeoutMS=1000
         )
         try:
             with pytest.raises(ServerSelectionTimeoutError):
-                await client.admin.command("ping")
+                await other.admin.command("ping")
         finally:
-            await client.close()
+            await other.close()
 
 
 class ReplyCutter(CuttingProxy):
