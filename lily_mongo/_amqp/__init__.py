@@ -24,7 +24,7 @@ from .connections import LenientTransport, connect_amqp, frame_path
 from .errors import AMQP_ERRORS, AmqpFailure, amqp_failure, channel_errors, map_amqp_errors
 from .inbound import AmqpMessage
 from .lenient import MALFORMED_HEADER, LenientFrameReader
-from .patches import unbounded_frame_queue
+from .patches import connection_unblocked, unbounded_frame_queue
 from .properties import LONG_INT_HEADERS, LilyProperties, encode_headers_table
 from .publishing import basic_publish, publish_properties, republish
 
@@ -42,6 +42,7 @@ __all__ = [
     "basic_publish",
     "channel_errors",
     "connect_amqp",
+    "connection_unblocked",
     "encode_headers_table",
     "frame_path",
     "map_amqp_errors",

@@ -66,6 +66,7 @@ __all__ = [
     "FastFrameReceiver",
     "FramePath",
     "active",
+    "connection_unblocked",
     "set_transport_factory",
     "transport_factory",
     "unbounded_frame_queue",
@@ -160,3 +161,10 @@ def transport_factory(connection: object) -> Any:
     """The transport factory :func:`set_transport_factory` gave ``connection``, or None."""
     kwargs = getattr(connection, "kwargs", None)
     return kwargs.get("transport_factory") if isinstance(kwargs, dict) else None
+
+
+def connection_unblocked(channel: aiormq.abc.AbstractChannel) -> asyncio.Event | None:
+    """The event aiormq clears on ``connection.blocked`` and sets on ``connection.unblocked``, for the
+    connection of ``channel`` (aiormq keeps it private and offers no property), or None where it is not."""
+    event = getattr(channel.connection, "_Connection__connection_unblocked", None)
+    return event if isinstance(event, asyncio.Event) else None

@@ -17,9 +17,9 @@ from .._observer import NO_OBSERVER, Observer
 from .._tasks import TaskSet
 from . import protocol
 from .options import OutboxOptions
-from .outcomes import OutboxCounters, write_outcomes
+from .outcomes import Breaker, OutboxCounters, write_outcomes
 from .protocol import Claim, Failure
-from .publishing import LeftToRelay, Transport, publish_batch
+from .publishing import Transport, publish_batch
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.collection import AsyncCollection
@@ -71,6 +71,7 @@ class OutboxDispatcher:
         self._flush_now = 0
         self._running = False
         self._tasks: list[asyncio.Task[Any]] = []
+        self._breaker = Breaker(options)
 
     @property
     def running(self) -> bool:
@@ -182,24 +183,23 @@ class OutboxDispatcher:
         def keep(record: dict[str, Any]) -> bool:
             return protocol.claim_lasts(record, clock(), margin)
 
+        # While the broker blocks the connection (an alarm), publish nothing: wait, counted, at most
+        # as long as a claim lasts; records whose claim then runs out are the relay's (docs/outbox.md).
+        self._counters.blocked_seconds += await transport.unblocked(self._options.claim_seconds)
         results = await publish_batch(batch, transport, self._observer, via="dispatch", keep=keep)
         counters = self._counters
-        left = 0
-        for record, result in zip(batch, results, strict=True):
-            if result is None:
-                counters.confirmed(record)
-                self._marks.append(record["_id"])
-            elif isinstance(result, LeftToRelay):
-                left += 1
-            else:
-                self._failures.append((record["_id"], counters.failure(record, result)))
-        if left:
-            counters.left_to_relay(left, "their claim would run out before the confirm and the mark")
-        if not self._marks and not self._failures:
-            return
-        if self._marks_since is None:
-            self._marks_since = time.monotonic()
-        self._mark_wake.set()
+        settled = counters.settle(batch, results, self._breaker)
+        self._marks += settled.marks
+        self._failures += settled.failures
+        if settled.left:
+            counters.left_to_relay(settled.left, "their claim would run out before the confirm and the mark")
+        if self._marks or self._failures:
+            if self._marks_since is None:
+                self._marks_since = time.monotonic()
+            self._mark_wake.set()
+        if settled.pause:
+            # The batch failed only on transport: the next one waits (a circuit breaker's open state).
+            await asyncio.sleep(settled.pause)
 
     async def _mark_loop(self) -> None:
         options = self._options

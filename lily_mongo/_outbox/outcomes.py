@@ -7,21 +7,85 @@ import datetime
 import logging
 import random
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pymongo import UpdateOne
 from pymongo.errors import PyMongoError
 
+from .._amqp import AmqpFailure, amqp_failure
+from .._backoff import backoff
 from .._errors import PublishError
 from .._lru import Lru
 from . import protocol
 from .options import OutboxOptions
 from .protocol import Failure
+from .publishing import ExchangeMissing, LeftToRelay
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.collection import AsyncCollection
 
 log = logging.getLogger("lily_mongo")
+
+# -- failure classes (docs/outbox.md, "Failure classes") --------------------------------------------
+
+# What a broker's channel close says about the one publish that caused it: the record's own fault.
+_REFUSALS = frozenset({AmqpFailure.NOT_FOUND, AmqpFailure.ACCESS_REFUSED, AmqpFailure.PRECONDITION_FAILED})
+# A publisher's wait after a batch that failed only on transport is at most this (and backoff_max).
+BREAKER_MAX = 30.0
+
+
+def own_fault(exc: BaseException, *, alone: bool) -> bool:
+    """Whether a failed publish was the record's own fault (it counts an attempt and can park it), not the
+    transport's (it releases the record with backoff and leaves its attempts alone).
+
+    The record's: unroutable, a message that cannot be encoded, a malformed record (a missing
+    or mistyped field), an exchange a passive declare did not find, and a channel the broker
+    closed for a refusal (not found, access refused, precondition failed) when that record's
+    publish was the only one in flight. Everything a connection does is the transport's: a
+    confirm timeout, a closed channel or connection, no channel, a nack, a blocked connection.
+    """
+    if isinstance(exc, ExchangeMissing):
+        return True
+    if isinstance(exc, PublishError):
+        if exc.kind in ("unroutable", "invalid"):
+            return True
+        return exc.kind == "closed" and alone and amqp_failure(exc.__cause__ or exc) in _REFUSALS
+    return amqp_failure(exc) is None  # TimeoutError, OSError, aiormq's errors: the transport's
+
+
+def _kind(exc: BaseException) -> str:
+    if isinstance(exc, PublishError):
+        return exc.kind
+    if isinstance(exc, ExchangeMissing):
+        return f"refused: {exc}"
+    return f"failed ({type(exc).__name__})"
+
+
+class Breaker:
+    """A publisher's batches that failed only on transport, in a row: the wait before its next batch and
+    the delay its released records get, exponential with jitter, at most :data:`BREAKER_MAX`."""
+
+    def __init__(self, options: OutboxOptions) -> None:
+        self._base = options.backoff_base
+        self._cap = min(options.backoff_max, BREAKER_MAX)
+        self.streak = 0
+
+    def delay(self, jitter: float) -> float:
+        return backoff(self.streak, base=self._base, cap=self._cap, jitter=jitter)
+
+
+@dataclass(slots=True)
+class Settled:
+    """What became of one published batch: records to mark, failures to record, records left to a relay,
+    and the wait before the next batch (0 unless it failed only on transport)."""
+
+    marks: list[str] = field(default_factory=list)
+    failures: list[tuple[Any, Failure]] = field(default_factory=list)
+    left: int = 0
+    pause: float = 0.0
+
 
 # At most one warning per destination this often, however many of its records are refused.
 UNROUTABLE_WARNING_INTERVAL = (
@@ -50,22 +114,59 @@ class OutboxCounters:
         self._mark_warned = -WARNING_INTERVAL
         self._left_warned = -WARNING_INTERVAL
         self.left = 0  # records the dispatcher left to a relay
+        self.released = 0  # transport failures: records released without counting an attempt
+        self.blocked_seconds = 0.0  # time publishers waited while the broker blocked their connection
+        self._released_warned = -WARNING_INTERVAL
 
     def confirmed(self, record: dict[str, Any]) -> None:
         self._warned.forget((str(record.get("exchange", "")), str(record.get("routing_key", ""))))
 
-    def failure(self, record: dict[str, Any], exc: BaseException) -> Failure:
-        """The failure rule for one refused publish (any failure of one record: a broker refusal, a
-        record that cannot be encoded or is malformed), counted and logged."""
+    def settle(
+        self, batch: Sequence[dict[str, Any]], results: Sequence[BaseException | None], breaker: Breaker
+    ) -> Settled:
+        """Apply the failure classes to one published batch; the breaker learns whether it failed only on
+        transport. One jitter for the batch: records that fail together get one ``available_at``."""
+        settled = Settled()
+        jitter = random.random()
+        tried = sum(1 for result in results if not isinstance(result, (LeftToRelay, ExchangeMissing)))
+        release_delay = breaker.delay(jitter)
+        transport = 0
+        for record, result in zip(batch, results, strict=True):
+            if result is None:
+                self.confirmed(record)
+                settled.marks.append(record["_id"])
+            elif isinstance(result, LeftToRelay):
+                settled.left += 1
+            else:
+                failure = self.failure(record, result, jitter=jitter, alone=tried == 1, release_delay=release_delay)
+                transport += not failure.counted
+                settled.failures.append((record.get("_id"), failure))
+        if transport and transport == len(settled.failures) and not settled.marks:
+            settled.pause = release_delay
+            breaker.streak += 1
+        elif settled.marks or settled.failures:
+            breaker.streak = 0
+        if transport:
+            self._warn_released(transport, settled.failures)
+        return settled
+
+    def failure(
+        self, record: dict[str, Any], exc: BaseException, *, jitter: float, alone: bool, release_delay: float
+    ) -> Failure:
+        """The failure rule for one refused publish, by its class: the record's own fault counts an
+        attempt (parked at ``max_attempts``); a transport failure releases it after ``release_delay``."""
         options = self._options
-        kind = exc.kind if isinstance(exc, PublishError) else f"failed ({type(exc).__name__})"
+        kind = _kind(exc)
+        if not own_fault(exc, alone=alone):
+            self.released += 1
+            return protocol.released(record.get("attempts", 0), kind, delay=release_delay)
         failure = protocol.failed_attempt(
             record.get("attempts", 0),
             kind,
             max_attempts=options.max_attempts,
             backoff_base=options.backoff_base,
             backoff_max=options.backoff_max,
-            jitter=random.random(),
+            jitter=jitter,
         )
         if kind == "unroutable":
             self.unroutable += 1
@@ -80,6 +181,18 @@ class OutboxCounters:
                 kind,
             )
         return failure
+
+    def _warn_released(self, count: int, failures: list[tuple[Any, Failure]]) -> None:
+        now = time.monotonic()
+        if now - self._released_warned >= WARNING_INTERVAL:
+            self._released_warned = now
+            cause = next(f.last_error for _, f in failures if not f.counted)
+            log.warning(
+                "outbox: %d record(s) released after a transport failure (%s); they are retried with backoff, "
+                "their attempts not counted",
+                count,
+                cause,
+            )
 
     def marks_lost(self, count: int, what: str) -> None:
         """A mark (or failure) write failed: the records are published again after their claim expires."""

@@ -53,7 +53,9 @@ __all__ = [
     "mark_transition",
     "mark_update",
     "new_record",
+    "park_update",
     "publish_order",
+    "released",
 ]
 
 PENDING = "pending"
@@ -230,12 +232,18 @@ def mark_transition(
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """A failed publish of one record: its attempts now, whether it is parked, the wait before the next."""
+    """A failed publish of one record: its attempts now, whether it is parked, the wait before the next.
+
+    ``counted`` is False for a transport failure (:func:`released`): the attempt was not the
+    record's, so its ``attempts`` stay as they were and it is never parked (docs/outbox.md,
+    "Failure classes").
+    """
 
     attempts: int
     parked: bool
     delay: float
     last_error: str
+    counted: bool = True
 
 
 def failed_attempt(
@@ -249,20 +257,40 @@ def failed_attempt(
     return Failure(attempts, attempts >= max_attempts, delay, f"publish {kind}"[:200])
 
 
+def released(attempts_before: object, kind: str, *, delay: float) -> Failure:
+    """A transport failure (a timeout, a closed channel, a blocked connection, a nack): the record is
+    released to wait ``delay``, its attempts left alone."""
+    before = attempts_before if type(attempts_before) is int and attempts_before >= 0 else 0
+    return Failure(before, False, delay, f"publish {kind}"[:200], counted=False)
+
+
 def failure_filter(record_id: object, token: object) -> dict[str, Any]:
     """A failure's fence: the record, still pending, still held with this claim token."""
     return {"_id": record_id, "claim_token": token, "status": PENDING}
 
 
 def failure_update(failure: Failure, now: datetime.datetime) -> dict[str, Any]:
-    """Count the attempt, release the claim, make the record available again after the delay (or park it)."""
+    """Count the attempt (unless a transport failure: :func:`released`), release the claim, make the
+    record available again after the delay (or park it).
+
+    Records that fail together share ``now`` and, with the same attempts, the delay: they
+    become due at one ``available_at``, and ``seq`` keeps a transaction's in write order.
+    """
+    values: dict[str, Any] = {
+        "last_error": failure.last_error,
+        "available_at": now + datetime.timedelta(seconds=failure.delay),
+        "status": FAILED if failure.parked else PENDING,
+    }
+    if failure.counted:
+        values["attempts"] = failure.attempts
+    return {"$set": values, "$unset": {"claim_expires": ""}}
+
+
+def park_update(last_error: str) -> dict[str, Any]:
+    """Park a record its relay cannot even read (undecodable BSON): failed at once, with its cause."""
     return {
-        "$set": {
-            "attempts": failure.attempts,
-            "last_error": failure.last_error,
-            "available_at": now + datetime.timedelta(seconds=failure.delay),
-            "status": FAILED if failure.parked else PENDING,
-        },
+        "$set": {"status": FAILED, "last_error": last_error[:200]},
+        "$inc": {"attempts": 1},
         "$unset": {"claim_expires": ""},
     }
 

@@ -10,6 +10,10 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+import bson
+from bson.codec_options import CodecOptions
+from bson.raw_bson import RawBSONDocument
+from pymongo import ReadPreference, UpdateOne
 from pymongo.errors import PyMongoError
 from pymongo.write_concern import WriteConcern
 
@@ -19,8 +23,7 @@ from .._observer import NO_OBSERVER, Observer
 from .._tasks import TaskSet
 from . import protocol
 from .options import OutboxOptions
-from .outcomes import WARNING_INTERVAL, OutboxCounters, write_outcomes
-from .protocol import Failure
+from .outcomes import WARNING_INTERVAL, Breaker, OutboxCounters, write_outcomes
 from .publishing import ChannelTransport, FixedTransport, Send, Transport, publish_batch
 
 if TYPE_CHECKING:
@@ -51,6 +54,12 @@ class OutboxRelay:
     ) -> None:
         self._collection = collection
         self._majority = collection.with_options(write_concern=WriteConcern("majority"))
+        # The read-back after a claim: from the primary (a secondary may not have the claim yet),
+        # undecoded, so that one record that cannot be decoded fails alone (:meth:`_decode`).
+        self._read_back = collection.with_options(
+            read_preference=ReadPreference.PRIMARY, codec_options=CodecOptions(document_class=RawBSONDocument)
+        )
+        self._codec = collection.codec_options
         self._observer = observer
         self._options = options
         self._owner = owner
@@ -61,6 +70,7 @@ class OutboxRelay:
         self._task: asyncio.Task[Any] | None = None
         self._channel: aio_pika.abc.AbstractChannel | None = None
         self._claim_warned = -WARNING_INTERVAL
+        self._breaker = Breaker(options)
 
     # The snapshot's figures (shared with the process's dispatcher).
     @property
@@ -153,6 +163,8 @@ class OutboxRelay:
                 await self.refresh_counts()
                 next_count = time.monotonic() + options.count_interval
             batch: list[dict[str, Any]] = []
+            # While the broker blocks the connection (an alarm), claim nothing: wait, counted.
+            self.counters.blocked_seconds += await transport.unblocked(options.poll_interval)
             if transport.ready:
                 # The broker closed the channel (e.g. a record named a missing exchange): the robust
                 # channel reopens it; claim nothing meanwhile.
@@ -168,10 +180,16 @@ class OutboxRelay:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=max(wait, 0.001))
                 continue
+            pause = 0.0
             try:
-                await self._relay(batch, transport)
+                pause = await self._relay(batch, transport)
             except Exception:  # a bug, not a record's failure: the batch's claims expire to the next pass
                 log.exception("outbox relay: a batch failed; its records are published again once their claim expires")
+            if pause and not self._stopping:
+                # The batch failed only on transport: wait before the next claim (a circuit breaker).
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=pause)
 
     async def drain(self, send: Send) -> int:
         """Claim and publish through ``send`` until no record is due; returns how many were published.
@@ -216,25 +234,59 @@ class OutboxRelay:
         )
         if not claimed.matched_count:
             return []  # another relay took them all
-        records = await self._collection.find(protocol.claimed_filter(ids, token)).batch_size(len(ids)).to_list()
-        return protocol.publish_order(records)
+        raw = await self._read_back.find(protocol.claimed_filter(ids, token)).batch_size(len(ids)).to_list()
+        return protocol.publish_order(await self._decode(raw, token))
 
-    async def _relay(self, batch: list[dict[str, Any]], transport: Transport) -> None:
+    async def _decode(self, raw: list[RawBSONDocument], token: str) -> list[dict[str, Any]]:
+        """Decode each claimed record on its own; park those that cannot be decoded (a date outside
+        Python's range, say), each with its cause: the rest of the batch goes on."""
+        records: list[dict[str, Any]] = []
+        broken: list[tuple[object, str]] = []
+        for document in raw:
+            try:
+                records.append(bson.decode(document.raw, codec_options=self._codec))
+            except Exception as exc:
+                record_id = _raw_id(bytes(document.raw))
+                cause = f"undecodable record ({type(exc).__name__}: {exc})"
+                log.warning("outbox record %r parked as failed: %s", record_id, cause)
+                if record_id is not None:
+                    broken.append((record_id, cause))
+        if broken:
+            writes = [
+                UpdateOne(protocol.failure_filter(rid, token), protocol.park_update(cause)) for rid, cause in broken
+            ]
+            try:
+                await self._majority.bulk_write(writes, ordered=False)
+            except PyMongoError:
+                self.counters.marks_lost(len(broken), "parking undecodable records")
+        return records
+
+    async def _relay(self, batch: list[dict[str, Any]], transport: Transport) -> float:
+        """Publish and settle one claimed batch; the wait before the next (0 unless it failed only on transport)."""
         results = await publish_batch(batch, transport, self._observer, via="relay")
-        counters = self.counters
-        marks: list[str] = []
-        failures: list[tuple[Any, Failure]] = []
-        for record, result in zip(batch, results, strict=True):
-            if result is None:
-                counters.confirmed(record)
-                marks.append(record["_id"])
-            else:
-                failures.append((record.get("_id"), counters.failure(record, result)))
+        settled = self.counters.settle(batch, results, self._breaker)
         token = str(batch[0].get("claim_token"))
-        await write_outcomes(self._majority, counters, self._options, token, marks, failures, self._clock())
+        await write_outcomes(
+            self._majority, self.counters, self._options, token, settled.marks, settled.failures, self._clock()
+        )
+        return settled.pause
 
     def _warn_claim(self) -> None:
         now = time.monotonic()
         if now - self._claim_warned >= WARNING_INTERVAL:
             self._claim_warned = now
             log.warning("outbox relay: claiming records failed; retrying every poll", exc_info=True)
+
+
+def _raw_id(raw: bytes) -> object:
+    """The ``_id`` of a BSON document that cannot be decoded whole: its first element (where MongoDB
+    keeps ``_id``) when that is a string or an ObjectId, else None."""
+    if len(raw) < 12 or raw[5:9] != b"_id\x00":
+        return None
+    kind, start = raw[4], 9
+    if kind == 0x02:  # string: int32 length (with its NUL), the bytes
+        length = int.from_bytes(raw[start : start + 4], "little")
+        return raw[start + 4 : start + 4 + length - 1].decode("utf-8", "replace")
+    if kind == 0x07:  # ObjectId: 12 bytes
+        return bson.ObjectId(raw[start : start + 12])
+    return None

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from bson.codec_options import CodecOptions
 from bson.errors import InvalidBSON
 
 from lily_mongo._errors import PublishError
@@ -30,6 +31,8 @@ class Result:
 
 class Collection:
     """Records the writes the dispatcher sends."""
+
+    codec_options: CodecOptions[dict[str, Any]] = CodecOptions()
 
     def __init__(self) -> None:
         self.marks: list[tuple[dict[str, Any], Any]] = []
@@ -172,6 +175,12 @@ class SlowChannel:
     async def sender(self) -> Any:
         await self.up.wait()
         return self._send
+
+    async def missing(self, exchanges: Any) -> set[str]:
+        return set()
+
+    async def unblocked(self, limit: float) -> float:
+        return 0.0
 
 
 async def test_a_claim_that_would_run_out_before_the_confirm_and_the_mark_is_left_to_the_relay() -> None:
