@@ -99,12 +99,13 @@ class Wiring:
         )
 
     async def start(self, tasks: TaskSet) -> None:
-        """Consume on the intake's connection. The outbox starts first, so the first commit already
-        has a dispatcher; its relay runs unless ``OutboxOptions.run_relay`` is off."""
+        """Consume on the intake's connection. The outbox starts first, on a connection of its own
+        (docs/outbox.md), so the first commit already has a dispatcher; its relay runs unless
+        ``OutboxOptions.run_relay`` is off."""
         intake = self.intake
         assert intake is not None
         if self.outbox is not None:
-            await self.outbox.start(intake.connection, self.settings.confirm_timeout, tasks)
+            await self.outbox.start_connected(self.settings.amqp_url, self.settings.confirm_timeout, tasks)
         await intake.start(self.engine)
 
     def ready(self) -> bool:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pymongo import AsyncMongoClient
 from pymongo.write_concern import WriteConcern
 
+from .._amqp import connect_amqp
 from .._clock import utcnow
 from .._mongo import server_clock_offset
 from .._mongo.transactions import majority_reads
@@ -63,6 +64,7 @@ class ProcessOutbox:
             self.collection, options, owner, observer=observer, counters=self.counters, clock=self.clock
         )
         self._dispatch_channel: aio_pika.abc.AbstractChannel | None = None
+        self._connection: aio_pika.abc.AbstractConnection | None = None  # owned, when opened here
         self._relaying = False
 
     def clock(self) -> datetime.datetime:
@@ -125,6 +127,17 @@ class ProcessOutbox:
             self._relaying = True
             await self.relay.start(connection, confirm_timeout, tasks)
 
+    async def start_connected(self, url: str, confirm_timeout: float, tasks: TaskSet) -> None:
+        """:meth:`start` on a connection of the outbox's own, closed by :meth:`stop`.
+
+        A consumer's outbox publishes so: nothing its publishes meet (a connection the broker
+        closes, a ``connection.blocked`` from a memory or disk alarm, which stops the broker
+        reading the whole connection) reaches the consumer's deliveries and their ACKs
+        (docs/outbox.md, "A bad destination is isolated").
+        """
+        self._connection = await connect_amqp(url)
+        await self.start(self._connection, confirm_timeout, tasks)
+
     def start_in_process(self, send: Send, tasks: TaskSet) -> None:
         """Dispatch after commit through ``send`` (an in-process transport); no relay runs."""
         self.dispatcher.start(FixedTransport(send), tasks)
@@ -146,4 +159,7 @@ class ProcessOutbox:
         channel, self._dispatch_channel = self._dispatch_channel, None
         if channel is not None and not channel.is_closed:
             await channel.close()
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await connection.close()
         return dispatcher and relay

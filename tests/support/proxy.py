@@ -1,4 +1,5 @@
-"""TCP proxies in front of the test's MongoDB server that cut connections: real network errors."""
+"""TCP proxies that cut or hold connections: real network errors and stalls, in front of the test's
+MongoDB server (:class:`CommitCutter`) or a broker (:class:`HoldingProxy`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Self
 import pytest
 from pymongo import AsyncMongoClient
 from pymongo.uri_parser import parse_uri
+from yarl import URL
 
 from tests.support.mongo import MongoDB
 
@@ -29,6 +31,8 @@ class CuttingProxy:
         self.upstream = (host, port)
         self.cuts = 0
         self.uri = ""
+        self.address = ("", 0)
+        self.refusing = False  # new connections are aborted at once while set
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -44,6 +48,7 @@ class CuttingProxy:
     async def __aenter__(self) -> Self:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         host, port = self._server.sockets[0].getsockname()[:2]
+        self.address = (host, port)
         self.uri = f"mongodb://{host}:{port}/?directConnection=true"
         return self
 
@@ -54,6 +59,10 @@ class CuttingProxy:
             writer.transport.abort()
         await self._server.wait_closed()
 
+    def cut_all(self) -> None:
+        """Abort every connection open through the proxy (both sides)."""
+        self.cut(*self._writers)
+
     def cut(self, *writers: asyncio.StreamWriter) -> None:
         self.cuts += 1
         for writer in writers:
@@ -63,6 +72,9 @@ class CuttingProxy:
         raise NotImplementedError
 
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        if self.refusing:
+            client_writer.transport.abort()
+            return
         server_reader, server_writer = await asyncio.open_connection(*self.upstream)
         self._writers |= {client_writer, server_writer}
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
@@ -112,6 +124,49 @@ class CommitCutter(CuttingProxy):
                 if reply_doomed:
                     self.cut(client_writer, server_writer)
                     return
+                client_writer.write(data)
+                await client_writer.drain()
+
+        await asyncio.gather(upstream(), downstream())
+
+
+class HoldingProxy(CuttingProxy):
+    """A TCP proxy in front of a broker that, while holding (:meth:`hold`), forwards nothing its clients
+    send: the broker reads nothing, as under a memory alarm or on a half-open connection. The bytes
+    are kept and forwarded, in order, once :meth:`flow` is called; the broker's side flows throughout."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(host, port)
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+
+    @classmethod
+    def fronting_broker(cls, url: str) -> HoldingProxy:
+        parsed = URL(url)
+        return cls(parsed.host or "127.0.0.1", parsed.port or 5672)
+
+    def url(self, url: str) -> str:
+        """``url`` (the broker's) through the proxy."""
+        host, port = self.address
+        return str(URL(url).with_host(host).with_port(port))
+
+    def hold(self) -> None:
+        self._flowing.clear()
+
+    def flow(self) -> None:
+        self._flowing.set()
+
+    async def relay(self, client: Streams, server: Streams) -> None:
+        (client_reader, client_writer), (server_reader, server_writer) = client, server
+
+        async def upstream() -> None:
+            while data := await client_reader.read(65536):
+                await self._flowing.wait()
+                server_writer.write(data)
+                await server_writer.drain()
+
+        async def downstream() -> None:
+            while data := await server_reader.read(65536):
                 client_writer.write(data)
                 await client_writer.drain()
 

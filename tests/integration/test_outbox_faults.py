@@ -1,0 +1,195 @@
+"""The outbox under real faults (docs/outbox.md, "Failure classes"): a broker that stops reading parks
+nothing, a record for a missing exchange fails alone without resetting a connection, an undecodable
+record parks alone, and a transaction that failed as a whole is retried in write order.
+
+Every test runs against the real broker (a TCP proxy in front of it where the broker must stall or
+vanish) and the test's MongoDB server, and asserts the outbox documents and what the queues hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aio_pika.abc
+from bson.codec_options import CodecOptions
+
+from lily_mongo import MongoScope, OutboxOptions, queue
+from lily_mongo._amqp import connect_amqp
+from lily_mongo._outbox import Outbox, OutboxRelay, OutboxTransaction
+from lily_mongo._tasks import TaskSet
+from tests.integration.test_outbox import OUTBOX, event_ids, outbox_consumer, outbox_record
+from tests.support.broker import Broker
+from tests.support.consumers import outcomes, running
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
+from tests.support.proxy import HoldingProxy
+
+# How long the broker stops reading: long enough for many confirm timeouts (0.5 s each) and
+# re-claims; the behaviour is the same for the 3 minutes of a real alarm, only slower to watch.
+HOLD_SECONDS = 8.0
+FAST_RETRY = OutboxOptions(
+    max_attempts=2, poll_interval=0.05, backoff_base=0.05, backoff_max=0.5, count_interval=0.1, claim_seconds=5.0
+)
+
+
+@contextlib.asynccontextmanager
+async def relay_on(
+    url: str, relay: OutboxRelay, confirm_timeout: float
+) -> AsyncIterator[aio_pika.abc.AbstractConnection]:
+    """``relay`` running on a connection of its own to ``url``; stopped and closed afterwards."""
+    connection = await connect_amqp(url)
+    owner = TaskSet()
+    try:
+        await relay.start(connection, confirm_timeout, owner)
+        yield connection
+    finally:
+        assert await relay.stop(10.0), "the relay did not stop"
+        await connection.close()
+
+
+async def statuses(mongodb: MongoDB) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for doc in await mongodb.db[OUTBOX].find({}, {"status": 1}).to_list():
+        counts[doc["status"]] = counts.get(doc["status"], 0) + 1
+    return counts
+
+
+# -- a broker that stops reading ------------------------------------------------------------------
+
+
+async def test_a_broker_that_stops_reading_parks_nothing_and_every_record_is_delivered_once_it_reads(
+    mongodb: MongoDB, broker: Broker
+) -> None:
+    """Held bytes time out every confirm (a transport failure): no attempt counted, nothing parked with
+    max_attempts 2; once the bytes flow, all 20 records are delivered and marked published."""
+    down = await broker.declare(broker.queue("down"))
+    outbox = mongodb.db[OUTBOX]
+    records = [outbox_record(down, {"n": i}) for i in range(20)]
+    relay = OutboxRelay(outbox, FAST_RETRY, "relay-held")
+    async with HoldingProxy.fronting_broker(broker.url) as proxy, relay_on(proxy.url(broker.url), relay, 0.5):
+        proxy.hold()
+        try:
+            await outbox.insert_many(records)
+            await asyncio.sleep(HOLD_SECONDS)
+            assert await outbox.count_documents({"status": "failed"}) == 0
+        finally:
+            proxy.flow()
+
+        async def all_published() -> bool:
+            return (await statuses(mongodb)).get("published", 0) == len(records)
+
+        await eventually(all_published, what="every record published once the broker reads", timeout=30)
+    assert await statuses(mongodb) == {"published": len(records)}
+    assert {doc["attempts"] for doc in await outbox.find({}).to_list()} == {0}
+    # At least once: a publish held by the proxy may arrive besides its retry.
+    assert set(event_ids(await broker.drain(down))) == {r["event_id"] for r in records}
+
+
+# -- a bad destination is isolated -----------------------------------------------------------------
+
+
+async def test_a_record_for_a_missing_exchange_fails_alone_and_resets_no_connection(
+    mongodb: MongoDB, broker: Broker
+) -> None:
+    """40 records, the 21st for an exchange that does not exist, relayed by a consumer's relay while
+    the consumer settles deliveries: the 39 others are delivered with no attempt counted, the bad one
+    fails as its own fault, no connection is reset, and every delivery is acked once."""
+    q, down = broker.queue("busy"), await broker.declare(broker.queue("down"))
+    missing = broker.names.exchange("missing")  # never declared
+    outbox = mongodb.db[OUTBOX]
+    records = [outbox_record(down, {"n": i}) for i in range(40)]
+    records[20]["exchange"] = missing
+
+    @queue(q, version=1, content="json")
+    async def handle(mongo: MongoScope) -> None:
+        await asyncio.sleep(0.03)  # deliveries stay in flight while the relay publishes
+
+    options = OutboxOptions(max_attempts=3, poll_interval=0.05, backoff_base=0.05, backoff_max=0.2, count_interval=0.1)
+    consumer = outbox_consumer(broker, mongodb, q, handle, outbox=options, prefetch=8)
+    async with running(consumer, expect_clean=False) as managed:
+        relay_channel = managed._outbox.relay._channel  # type: ignore[union-attr]
+        assert relay_channel is not None
+        first = (await relay_channel.get_underlay_channel()).connection
+        await broker.publish_all(q, [{"n": i} for i in range(30)])
+        await outbox.insert_many(records)  # relayed while the deliveries are in flight
+
+        async def settled() -> bool:
+            good = await outbox.count_documents({"status": "published"})
+            return good == 39 and len(outcomes(managed)) == 30
+
+        await eventually(settled, what="39 records published and 30 deliveries settled", timeout=20)
+        assert (await relay_channel.get_underlay_channel()).connection is first  # no reconnect
+        assert managed.snapshot().transport_generation == 1
+        assert outcomes(managed) == ["acked"] * 30
+    assert await broker.depth(q) == 0
+    bad = await outbox.find_one({"_id": records[20]["_id"]})
+    assert bad is not None
+    assert bad["attempts"] >= 1
+    assert "not found" in bad["last_error"]
+    good = await outbox.find({"_id": {"$ne": records[20]["_id"]}}).to_list()
+    assert {(doc["status"], doc["attempts"]) for doc in good} == {("published", 0)}
+    delivered = event_ids(await broker.drain(down))
+    assert sorted(set(delivered)) == sorted(r["event_id"] for i, r in enumerate(records) if i != 20)
+
+
+# -- one bad document fails alone -----------------------------------------------------------------
+
+
+async def test_an_undecodable_record_parks_alone_with_its_cause_and_the_others_are_published(
+    mongodb: MongoDB, broker: Broker
+) -> None:
+    """One of 150 records holds a date its relay's client cannot decode: 9999-12-31T23:30Z read by a client
+    with tz-aware dates in UTC+05:00 is past year 9999 (PyMongo raises InvalidBSON for the whole reply)."""
+    down = await broker.declare(broker.queue("down"))
+    outbox = mongodb.db[OUTBOX]
+    records = [outbox_record(down, {"n": i}) for i in range(150)]
+    records[7]["created_at"] = datetime.datetime(9999, 12, 31, 23, 30, tzinfo=datetime.UTC)
+    await outbox.insert_many(records)
+    plus5 = datetime.timezone(datetime.timedelta(hours=5))
+    local = outbox.with_options(codec_options=CodecOptions(tz_aware=True, tzinfo=plus5))
+    relay = OutboxRelay(local, OutboxOptions(poll_interval=0.05, count_interval=0.1), "relay-raw")
+    async with relay_on(broker.url, relay, 5.0):
+
+        async def all_published() -> bool:
+            return await outbox.count_documents({"status": "published"}) == 149
+
+        await eventually(all_published, what="the 149 decodable records published", timeout=15)
+    bad = await outbox.find_one({"_id": records[7]["_id"]})
+    assert bad is not None
+    assert bad["status"] == "failed"
+    assert "undecodable" in bad["last_error"]
+    delivered = event_ids(await broker.drain(down))
+    assert sorted(delivered) == sorted(r["event_id"] for i, r in enumerate(records) if i != 7)
+
+
+# -- order kept on retry ----------------------------------------------------------------------------
+
+
+async def test_a_transaction_that_failed_as_a_whole_is_retried_in_write_order(mongodb: MongoDB, broker: Broker) -> None:
+    """The broker's connection is gone when a transaction of 10 records commits: the dispatch fails as a
+    whole (a transport failure), and the relay publishes the 10 in write order once it reconnects."""
+    down = await broker.declare(broker.queue("down"))
+    options = OutboxOptions(poll_interval=0.05, backoff_base=0.05, backoff_max=0.2, count_interval=0.1)
+    async with HoldingProxy.fronting_broker(broker.url) as proxy:
+        outbox = Outbox(
+            mongodb.client, mongodb.name, amqp_url=proxy.url(broker.url), options=options, confirm_timeout=0.5
+        )
+        async with outbox:
+            proxy.refusing = True
+            proxy.cut_all()
+
+            async def write(tx: OutboxTransaction) -> list[str]:
+                return [str(await tx.publish_json(down, {"n": i}, version=1)) for i in range(10)]
+
+            written = await outbox.transaction(write)
+            await outbox.process.dispatched()  # the dispatch failed: the records are released
+            released = await mongodb.db[OUTBOX].find({}).sort("seq", 1).to_list()
+            assert [doc["attempts"] for doc in released] == [0] * 10
+            assert len({doc["available_at"] for doc in released}) == 1  # due together: seq decides
+            proxy.refusing = False
+            await broker.wait_for_depth(down, 10, timeout=30)
+    assert event_ids(await broker.drain(down)) == written
