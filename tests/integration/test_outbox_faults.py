@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import datetime
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aio_pika.abc
 from bson.codec_options import CodecOptions
