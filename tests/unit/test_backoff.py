@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import random
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,6 +25,7 @@ from lily_mongo._engine import effects as effects_module
 from lily_mongo._engine.settlement import Budget, Evidence, HandoffState
 from lily_mongo._errors import PublishError
 from lily_mongo._outbox import OutboxCounters, OutboxOptions, protocol
+from lily_mongo._outbox.publishing import ExchangeMissing
 from lily_mongo._verdicts import Execution, Outcome, PipelineResult
 
 FAST = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -114,11 +116,13 @@ def test_an_outbox_record_waits_the_capped_exponential_step_before_its_next_atte
     step = min(0.5 * 2**attempts, 60.0)  # the record's attempts so far, before this one failed
     for _ in range(20):
         now = datetime.datetime.now(datetime.UTC)
-        failure = counters.failure(record, PublishError("nacked", "refused"))
+        failure = counters.failure(
+            record, PublishError("unroutable", "returned"), jitter=random.random(), alone=True, release_delay=0.0
+        )
         update = protocol.failure_update(failure, now)["$set"]
         assert update["attempts"] == attempts + 1
         assert update["status"] == "pending"
-        assert update["last_error"] == "publish nacked"
+        assert update["last_error"] == "publish unroutable"
         assert now + datetime.timedelta(seconds=step / 2) <= update["available_at"]
         assert update["available_at"] <= now + datetime.timedelta(seconds=step)
 
@@ -126,8 +130,37 @@ def test_an_outbox_record_waits_the_capped_exponential_step_before_its_next_atte
 def test_an_outbox_record_is_parked_as_failed_at_its_last_attempt() -> None:
     counters = OutboxCounters(OutboxOptions(max_attempts=3))
     refused = PublishError("unroutable", "nowhere")
-    assert counters.failure({"attempts": 1}, refused).parked is False
-    parked = counters.failure({"attempts": 2}, refused)
+    rule = {"jitter": 0.5, "alone": False, "release_delay": 1.0}
+    assert counters.failure({"attempts": 1}, refused, **rule).parked is False
+    parked = counters.failure({"attempts": 2}, refused, **rule)
     assert (parked.attempts, parked.parked) == (3, True)
     assert protocol.failure_update(parked, datetime.datetime.now(datetime.UTC))["$set"]["status"] == "failed"
     assert counters.unroutable == 2
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        PublishError("timeout", "no confirm"),
+        PublishError("nacked", "a resource alarm"),
+        PublishError("closed", "the connection closed"),
+        TimeoutError(),
+        ConnectionResetError(),
+    ],
+    ids=["timeout", "nacked", "closed", "no-channel", "reset"],
+)
+def test_a_transport_failure_releases_the_record_without_counting_an_attempt(exc: BaseException) -> None:
+    counters = OutboxCounters(OutboxOptions(max_attempts=1))
+    failure = counters.failure({"attempts": 0}, exc, jitter=0.5, alone=True, release_delay=2.0)
+    assert (failure.attempts, failure.parked, failure.counted, failure.delay) == (0, False, False, 2.0)
+    update = protocol.failure_update(failure, datetime.datetime.now(datetime.UTC))
+    assert "attempts" not in update["$set"]
+    assert update["$set"]["status"] == "pending"
+    assert counters.released == 1
+
+
+def test_a_malformed_record_and_a_missing_exchange_are_the_records_own_faults() -> None:
+    counters = OutboxCounters(OutboxOptions(max_attempts=1))
+    for exc in (KeyError("routing_key"), ExchangeMissing("gone"), PublishError("invalid", "a bad header")):
+        failure = counters.failure({"attempts": 0}, exc, jitter=0.5, alone=False, release_delay=2.0)
+        assert (failure.attempts, failure.parked, failure.counted) == (1, True, True)

@@ -20,6 +20,7 @@ from bson.errors import InvalidBSON
 from lily_mongo._errors import PublishError
 from lily_mongo._outbox import FixedTransport, OutboxCounters, OutboxDispatcher, OutboxOptions, OutboxRelay, protocol
 from lily_mongo._outbox import dispatcher as dispatcher_module
+from lily_mongo._outbox.outcomes import BREAKER_MAX, Breaker
 from lily_mongo._tasks import TaskSet
 from tests.support.outbox import written_record
 
@@ -279,3 +280,29 @@ async def test_a_relay_stopped_while_claiming_ends_without_waiting_its_poll_inte
     assert await stopping is True
     assert asyncio.get_running_loop().time() - started < 1.0
     assert not relay._task.cancelled()  # it ended on its own, not by the stop's cancellation
+
+
+def test_records_that_fail_together_get_one_delay_and_a_transport_only_batch_opens_the_breaker() -> None:
+    options = OutboxOptions(backoff_base=0.5, backoff_max=60.0)
+    counters, breaker = OutboxCounters(options), Breaker(options)
+    batch = [{"_id": f"r{i}", "attempts": 0, "exchange": "", "routing_key": "k", "seq": i} for i in range(10)]
+    settled = counters.settle(batch, [TimeoutError()] * 10, breaker)
+    assert len({failure.delay for _, failure in settled.failures}) == 1  # due together: seq decides
+    assert not any(failure.counted for _, failure in settled.failures)
+    assert 0.25 <= settled.pause < 0.5  # the first step of the backoff rule
+    assert breaker.streak == 1
+    again = counters.settle(batch, [TimeoutError()] * 10, breaker)
+    assert 0.5 <= again.pause < 1.0
+    assert breaker.streak == 2
+    # Same attempts, same class: one delay, whatever the number of records.
+    own = counters.settle(batch, [PublishError("unroutable", "x")] * 10, breaker)
+    assert len({failure.delay for _, failure in own.failures}) == 1
+    assert own.pause == 0.0
+    assert breaker.streak == 0
+
+
+def test_the_breakers_wait_is_bounded() -> None:
+    options = OutboxOptions(backoff_base=1.0, backoff_max=3600.0)
+    breaker = Breaker(options)
+    breaker.streak = 50
+    assert breaker.delay(0.999) <= BREAKER_MAX
