@@ -17,6 +17,7 @@ __all__ = [
     "DURATION_BUCKETS",
     "HANDLER_DURATION",
     "LAG_BUCKETS",
+    "OUTBOX_COUNTERS",
     "OUTBOX_GAUGES",
     "OUTBOX_PUBLISHED",
     "PROCESS_DURATION",
@@ -130,6 +131,21 @@ OUTBOX_GAUGES = (
 )
 # Only on the command's /metrics (the probes' view of the process).
 OUTBOX_PUBLISHED = Metric("lily.outbox.published", "{record}", "Outbox records published.", "outbox_published")
+OUTBOX_COUNTERS = (
+    OUTBOX_PUBLISHED,
+    Metric(
+        "lily.outbox.released",
+        "{record}",
+        "Outbox records released after a transport failure, their attempts not counted.",
+        "outbox_released",
+    ),
+    Metric(
+        "lily.outbox.blocked",
+        "s",
+        "Seconds the outbox waited, publishing nothing, while the broker blocked its connection.",
+        "outbox_blocked_seconds",
+    ),
+)
 READY = Metric("lily.ready", "", "1 while the consumer runs with its channels open.")
 TRANSPORT_GENERATION = Metric(
     "lily.transport.generation", "", "AMQP transport generation (1 + reconnects).", "transport_generation"

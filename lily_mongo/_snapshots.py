@@ -141,3 +141,7 @@ class Snapshot:
     outbox_published: int
     outbox_unroutable: int = 0
     """Relay publishes the broker returned as unroutable since start (a missing destination queue)."""
+    outbox_released: int = 0
+    """Outbox records released after a transport failure since start, their attempts not counted."""
+    outbox_blocked_seconds: float = 0.0
+    """Seconds the outbox's publishers waited while the broker blocked their connection (an alarm)."""

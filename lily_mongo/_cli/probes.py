@@ -35,8 +35,8 @@ from prometheus_client.samples import Sample
 
 from .._metrics import (
     DELIVERIES,
+    OUTBOX_COUNTERS,
     OUTBOX_GAUGES,
-    OUTBOX_PUBLISHED,
     QUEUE_COUNTERS,
     QUEUE_GAUGES,
     READY,
@@ -111,9 +111,8 @@ class MetricsCollector:
             value = getattr(snapshot, metric.field)
             if value is not None:
                 yield GaugeMetricFamily(metric.prometheus_name, metric.description, value=value)
-        yield CounterMetricFamily(
-            OUTBOX_PUBLISHED.prometheus_name, OUTBOX_PUBLISHED.description, value=snapshot.outbox_published
-        )
+        for metric in OUTBOX_COUNTERS:
+            yield CounterMetricFamily(metric.prometheus_name, metric.description, value=getattr(snapshot, metric.field))
         telemetry = managed.telemetry
         if telemetry is None:
             return

@@ -96,6 +96,8 @@ class Wiring:
             outbox_failed=counters.failed if counters else None,
             outbox_published=counters.published if counters else 0,
             outbox_unroutable=counters.unroutable if counters else 0,
+            outbox_released=counters.released if counters else 0,
+            outbox_blocked_seconds=counters.blocked_seconds if counters else 0.0,
         )
 
     async def start(self, tasks: TaskSet) -> None:

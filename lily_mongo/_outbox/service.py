@@ -142,6 +142,8 @@ class Relay:
             outbox_failed=counters.failed,
             outbox_published=counters.published,
             outbox_unroutable=counters.unroutable,
+            outbox_released=counters.released,
+            outbox_blocked_seconds=counters.blocked_seconds,
         )
 
     # -- start, run, stop ----------------------------------------------------------------------------

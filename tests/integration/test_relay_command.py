@@ -66,6 +66,11 @@ async def test_records_written_without_a_consumer_are_delivered_once_by_the_rela
             return answer is not None and "lily_outbox_published_total 2.0" in answer[1]
 
         await eventually(metrics_show_two, what="two records published in /metrics", interval=0.1)
+        answer = await get(session, f"http://127.0.0.1:{port}/metrics")
+        assert answer is not None
+        # No transport failure, no alarm: the counters are there, at zero (docs/outbox.md, "Failure classes").
+        assert "lily_outbox_released_total 0.0" in answer[1]
+        assert "lily_outbox_blocked_seconds_total 0.0" in answer[1]
         await asyncio.sleep(0.5)  # several polls: nothing is published twice
         result = await process.stop(timeout=30)
     assert result.returncode == 0, result.describe()
