@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import datetime
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aio_pika.abc
 from bson.codec_options import CodecOptions
@@ -149,7 +150,7 @@ async def test_an_undecodable_record_parks_alone_with_its_cause_and_the_others_a
     records[7]["created_at"] = datetime.datetime(9999, 12, 31, 23, 30, tzinfo=datetime.UTC)
     await outbox.insert_many(records)
     plus5 = datetime.timezone(datetime.timedelta(hours=5))
-    local = outbox.with_options(codec_options=CodecOptions(tz_aware=True, tzinfo=plus5))
+    local: Any = outbox.with_options(codec_options=CodecOptions(tz_aware=True, tzinfo=plus5))
     relay = OutboxRelay(local, OutboxOptions(poll_interval=0.05, count_interval=0.1), "relay-raw")
     async with relay_on(broker.url, relay, 5.0):
 

@@ -130,9 +130,8 @@ def test_an_outbox_record_waits_the_capped_exponential_step_before_its_next_atte
 def test_an_outbox_record_is_parked_as_failed_at_its_last_attempt() -> None:
     counters = OutboxCounters(OutboxOptions(max_attempts=3))
     refused = PublishError("unroutable", "nowhere")
-    rule = {"jitter": 0.5, "alone": False, "release_delay": 1.0}
-    assert counters.failure({"attempts": 1}, refused, **rule).parked is False
-    parked = counters.failure({"attempts": 2}, refused, **rule)
+    assert counters.failure({"attempts": 1}, refused, jitter=0.5, alone=False, release_delay=1.0).parked is False
+    parked = counters.failure({"attempts": 2}, refused, jitter=0.5, alone=False, release_delay=1.0)
     assert (parked.attempts, parked.parked) == (3, True)
     assert protocol.failure_update(parked, datetime.datetime.now(datetime.UTC))["$set"]["status"] == "failed"
     assert counters.unroutable == 2
