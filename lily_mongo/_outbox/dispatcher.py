@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from .._clock import Clock, utcnow
+from .._clock import Clock, aware, utcnow
 from .._observer import NO_OBSERVER, Observer
 from .._tasks import TaskSet
 from . import protocol
@@ -29,6 +29,10 @@ log = logging.getLogger("lily_mongo")
 # their bodies; past either, a transaction's records wait for a relay instead.
 DISPATCH_QUEUE_LIMIT = 10_000
 DISPATCH_QUEUE_BYTES = 64 * 1024 * 1024
+# Marks lag when the oldest unwritten one has less than mark_interval plus this much claim left
+# (a quarter of claim_seconds, at most MARK_MARGIN_MAX): dispatch then pauses until they catch up.
+MARK_MARGIN_MAX = 2.0
+MARK_PAUSE_POLL = 0.05
 
 # -- dispatch after commit --------------------------------------------------------------------------
 
@@ -64,6 +68,10 @@ class OutboxDispatcher:
         self._mark_wake = asyncio.Event()
         self._progress = asyncio.Event()
         self._marks: list[str] = []
+        # The claim expiry of the oldest record whose mark is not written yet (pending or in flight).
+        self._oldest_mark: datetime.datetime | None = None
+        self._writing_oldest: datetime.datetime | None = None
+        self._marked = asyncio.Event()
         self._failures: list[tuple[Any, Failure]] = []
         self._marks_since: float | None = None
         self._publishing = False
@@ -162,6 +170,9 @@ class OutboxDispatcher:
                 self._progress.set()
                 await self._wake.wait()
                 continue
+            if self._marks_lag():
+                await self._let_marks_catch_up()
+                continue
             batch = [self._queue.popleft() for _ in range(min(batch_size, len(self._queue)))]
             self._queued_bytes -= sum(len(record["body"]) for record in batch)
             self._publishing = True
@@ -189,6 +200,9 @@ class OutboxDispatcher:
         results = await publish_batch(batch, transport, self._observer, via="dispatch", keep=keep)
         counters = self._counters
         settled = counters.settle(batch, results, self._breaker)
+        if settled.marks and self._oldest_mark is None:
+            # The batch's first record was committed first: its claim is (about) the oldest.
+            self._oldest_mark = aware(batch[0].get("claim_expires"))
         self._marks += settled.marks
         self._failures += settled.failures
         if settled.left:
@@ -201,6 +215,25 @@ class OutboxDispatcher:
             # The batch failed only on transport: the next one waits (a circuit breaker's open state).
             await asyncio.sleep(settled.pause)
 
+    def _marks_lag(self) -> bool:
+        """The oldest mark not yet written nears its claim's end: its mark may land after a relay took it."""
+        oldest = min((t for t in (self._oldest_mark, self._writing_oldest) if t is not None), default=None)
+        if oldest is None:
+            return False
+        return oldest - self._clock() < datetime.timedelta(seconds=self._mark_margin)
+
+    @property
+    def _mark_margin(self) -> float:
+        options = self._options
+        return options.mark_interval + min(options.claim_seconds / 4, MARK_MARGIN_MAX)
+
+    async def _let_marks_catch_up(self) -> None:
+        """Publish nothing until the marks catch up (records kept waiting may then be the relay's)."""
+        self._mark_wake.set()
+        self._marked.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._marked.wait(), MARK_PAUSE_POLL)
+
     async def _mark_loop(self) -> None:
         options = self._options
         while True:
@@ -209,23 +242,27 @@ class OutboxDispatcher:
                 self._progress.set()
                 await self._mark_wake.wait()
                 continue
-            # Wait for a full batch, the mark interval, or a drain: one write for many records.
+            # Wait for a full batch, the mark interval, a drain, or marks that lag: one write for many records.
             since = self._marks_since if self._marks_since is not None else time.monotonic()
-            while len(self._marks) < options.batch_size and not self._flush_now:
+            while len(self._marks) < options.batch_size and not self._flush_now and not self._marks_lag():
                 remaining = since + options.mark_interval - time.monotonic()
                 if remaining <= 0:
                     break
                 self._mark_wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._mark_wake.wait(), remaining)
-            marks, self._marks = self._marks[: options.batch_size], self._marks[options.batch_size :]
+            # Every pending mark at once: chunks of batch_size, several writes in flight (write_outcomes).
+            marks, self._marks = self._marks, []
             failures, self._failures = self._failures, []
-            self._marks_since = time.monotonic() if self._marks else None
+            self._writing_oldest, self._oldest_mark = self._oldest_mark, None
+            self._marks_since = None
             self._flushing = True
             try:
                 await write_outcomes(
                     self._majority, self._counters, options, self.token, marks, failures, self._clock()
                 )
             finally:
+                self._writing_oldest = None
                 self._flushing = False
+                self._marked.set()
                 self._progress.set()

@@ -3,11 +3,12 @@ writes that mark them (docs/outbox.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -244,6 +245,12 @@ def _destination(record: dict[str, Any]) -> str:
     return f"routing key {routing_key!r} (default exchange)"
 
 
+# Mark writes in flight at once, and the tries of each (a mark is idempotent: fenced by token and status).
+MARK_WRITES_IN_FLIGHT = 4
+MARK_TRIES = 3
+MARK_RETRY_DELAY = 0.05
+
+
 async def write_outcomes(
     majority: AsyncCollection[Any],
     counters: OutboxCounters,
@@ -253,22 +260,49 @@ async def write_outcomes(
     failures: list[tuple[Any, Failure]],
     now: datetime.datetime,
 ) -> None:
-    """Mark ``marks`` published (one ``update_many``) and record ``failures`` (one ``bulk_write``), both
-    fenced by ``token``."""
-    if marks:
-        try:
-            result = await majority.update_many(
-                protocol.mark_filter(marks, token), protocol.mark_update(retention_seconds=options.published_retention)
-            )
-            counters.published += result.matched_count
-        except PyMongoError:
-            # Published but not marked: the claim expires and the records are published again.
-            counters.marks_lost(len(marks), "marking published")
-    if failures:
+    """Mark ``marks`` published (one ``update_many`` per ``batch_size`` of them, at most
+    :data:`MARK_WRITES_IN_FLIGHT` at once) and record ``failures`` (one ``bulk_write``), all fenced by
+    ``token``; a write that fails is tried again, :data:`MARK_TRIES` times in all."""
+    size = options.batch_size
+    gate = asyncio.Semaphore(MARK_WRITES_IN_FLIGHT)
+
+    async def mark(chunk: list[str]) -> None:
+        async with gate:
+            try:
+                result = await _tried(
+                    lambda: majority.update_many(
+                        protocol.mark_filter(chunk, token),
+                        protocol.mark_update(retention_seconds=options.published_retention),
+                    )
+                )
+                counters.published += result.matched_count
+            except PyMongoError:
+                # Published but not marked: the claim expires and the records are published again.
+                counters.marks_lost(len(chunk), "marking published")
+
+    async def record_failures() -> None:
         writes = [
             UpdateOne(protocol.failure_filter(rid, token), protocol.failure_update(f, now)) for rid, f in failures
         ]
+        async with gate:
+            try:
+                await _tried(lambda: majority.bulk_write(writes, ordered=False))
+            except PyMongoError:
+                counters.marks_lost(len(failures), "recording failed publishes")
+
+    writes = [mark(marks[i : i + size]) for i in range(0, len(marks), size)]
+    if failures:
+        writes.append(record_failures())
+    if len(writes) == 1:
+        await writes[0]
+    elif writes:
+        await asyncio.gather(*writes)
+
+
+async def _tried[T](write: Callable[[], Awaitable[T]]) -> T:
+    for attempt in range(MARK_TRIES - 1):
         try:
-            await majority.bulk_write(writes, ordered=False)
+            return await write()
         except PyMongoError:
-            counters.marks_lost(len(failures), "recording failed publishes")
+            await asyncio.sleep(MARK_RETRY_DELAY * 2**attempt)
+    return await write()
