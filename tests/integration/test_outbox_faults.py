@@ -21,6 +21,7 @@ from lily_mongo import MongoScope, OutboxOptions, queue
 from lily_mongo._amqp import connect_amqp
 from lily_mongo._outbox import Outbox, OutboxRelay, OutboxTransaction
 from lily_mongo._tasks import TaskSet
+from lily_mongo.testing import Faults
 from tests.integration.test_outbox import OUTBOX, event_ids, outbox_consumer, outbox_record
 from tests.support.broker import Broker
 from tests.support.consumers import outcomes, running
@@ -192,4 +193,29 @@ async def test_a_transaction_that_failed_as_a_whole_is_retried_in_write_order(mo
             assert len({doc["available_at"] for doc in released}) == 1  # due together: seq decides
             proxy.refusing = False
             await broker.wait_for_depth(down, 10, timeout=30)
+    assert event_ids(await broker.drain(down)) == written
+
+
+# -- marks keep up ------------------------------------------------------------------------------------
+
+
+async def test_a_mark_that_fails_once_is_retried_and_nothing_is_published_twice(
+    mongodb: MongoDB, broker: Broker, failpoints: Faults
+) -> None:
+    """The first mark write fails (a stepdown's PrimarySteppedDown on ``update``): it is written again,
+    so no relay publishes the records once their claim (3 s here) has expired."""
+    down = await broker.declare(broker.queue("down"))
+    options = OutboxOptions(claim_seconds=3.0, mark_interval=0.2, poll_interval=0.05, count_interval=0.1)
+    outbox = Outbox(mongodb.client, mongodb.name, amqp_url=broker.url, options=options, confirm_timeout=0.5)
+    async with outbox:
+        await failpoints.fail(["update"], code=189, times=1, namespace=f"{mongodb.name}.{OUTBOX}")
+
+        async def write(tx: OutboxTransaction) -> list[str]:
+            return [str(await tx.publish_json(down, {"n": i}, version=1)) for i in range(5)]
+
+        written = await outbox.transaction(write)
+        await outbox.process.dispatched()
+        assert outbox.process.counters.left == 0  # the dispatcher published them
+        await asyncio.sleep(options.claim_seconds + 1.0)  # past the claim: a lost mark would be relayed again
+        assert await mongodb.db[OUTBOX].count_documents({"status": "published"}) == 5
     assert event_ids(await broker.drain(down)) == written
