@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
     from pymongo.asynchronous.collection import AsyncCollection
 log = logging.getLogger("lily_mongo")
 
+# How often a running outbox reads the server's clock again (one ``hello``).
+CLOCK_INTERVAL = 30.0
+
 # -- one process's outbox ---------------------------------------------------------------------------
 
 
@@ -36,8 +41,10 @@ class ProcessOutbox:
     """One process's outbox: writers for its transactions, the dispatcher after commit, the backstop relay.
 
     Built by a consumer's engine, by :class:`Outbox` and by :class:`~lily_mongo.Relay`.
-    ``clock()`` is this process's clock corrected by its offset to the server's, read
-    by :meth:`prepare` (records are inserted without ``$$NOW``).
+    ``clock()`` is the server's clock as :meth:`read_clock` last read it plus the time
+    elapsed since on this process's monotonic clock: a step of the wall clock (NTP, a
+    resumed VM) moves no claim and no backoff (records are inserted without ``$$NOW``).
+    It is read by :meth:`prepare` and again every :data:`CLOCK_INTERVAL` seconds.
     """
 
     def __init__(
@@ -55,7 +62,8 @@ class ProcessOutbox:
         # The read that decides an unknown commit: majority read concern, from the primary.
         self.read_backs = majority_reads(self.collection)
         self._observer = observer
-        self._offset = datetime.timedelta(0)
+        self._server_at = utcnow()  # the server's time at ...
+        self._read_at = time.monotonic()  # ... this monotonic time
         self.clock_read = False
         self.counters = OutboxCounters(options)
         majority = self.collection.with_options(write_concern=WriteConcern("majority"))
@@ -66,9 +74,15 @@ class ProcessOutbox:
         self._dispatch_channel: aio_pika.abc.AbstractChannel | None = None
         self._connection: aio_pika.abc.AbstractConnection | None = None  # owned, when opened here
         self._relaying = False
+        self._clock_task: asyncio.Task[None] | None = None
 
     def clock(self) -> datetime.datetime:
-        return utcnow() + self._offset
+        return self._server_at + datetime.timedelta(seconds=time.monotonic() - self._read_at)
+
+    @property
+    def clock_stale(self) -> bool:
+        """Not read yet, or read more than :data:`CLOCK_INTERVAL` seconds ago."""
+        return not self.clock_read or time.monotonic() - self._read_at >= CLOCK_INTERVAL
 
     async def prepare(self, *, indexes: bool = True) -> None:
         """Read the server's clock (``hello``'s ``localTime``) and create (or verify) the indexes."""
@@ -79,8 +93,17 @@ class ProcessOutbox:
     async def read_clock(self) -> None:
         """Read the offset of this process's clock to the server's: records carry times from :meth:`clock`,
         and a relay compares them with its own corrected clock."""
-        self._offset = await server_clock_offset(self._client)
+        offset = await server_clock_offset(self._client)
+        self._server_at, self._read_at = utcnow() + offset, time.monotonic()
         self.clock_read = True
+
+    async def _clock_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CLOCK_INTERVAL)
+            try:
+                await self.read_clock()
+            except Exception:  # the database is away: keep the last reading, which goes on ticking
+                log.debug("outbox: reading the server's clock failed", exc_info=True)
 
     def writer(self, session: AsyncClientSession, writer: str, is_open: Callable[[], bool]) -> OutboxWriter:
         """The outbox of one transaction on ``session``; ``writer`` names it in its records (``handler``)."""
@@ -109,7 +132,9 @@ class ProcessOutbox:
         dispatch: bool = True,
         relay: bool | None = None,
     ) -> None:
-        """Dispatch after commit on a confirming channel of ``connection``; relay unless ``run_relay`` is off."""
+        """Dispatch after commit on a confirming channel of ``connection``; relay unless ``run_relay`` is off;
+        read the server's clock every :data:`CLOCK_INTERVAL` seconds."""
+        self._clock_task = tasks.spawn(self._clock_loop(), name="lily-outbox-clock")
         if dispatch:
             margin = confirm_timeout + self.options.mark_interval
             if self.options.claim_seconds < 2 * margin:
@@ -154,6 +179,10 @@ class ProcessOutbox:
 
     async def stop(self, timeout: float) -> bool:
         """Dispatch and mark what was committed, stop the relay after its batch; True if both ended."""
+        clock, self._clock_task = self._clock_task, None
+        if clock is not None:
+            clock.cancel()
+            await asyncio.wait({clock}, timeout=1.0)
         dispatcher = await self.dispatcher.stop(timeout)
         relay = await self.relay.stop(timeout)
         channel, self._dispatch_channel = self._dispatch_channel, None

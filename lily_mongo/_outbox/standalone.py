@@ -184,7 +184,7 @@ class Outbox(OpenClose):
         The steps are the inbox's (``lily_mongo._mongo.transactions``).
         """
         self._require_usable()
-        if not self._process.clock_read:  # without amqp_url nothing was opened: read it on first use
+        if self._url is None and self._process.clock_stale:  # nothing was opened: read on use, now and then
             try:
                 await self._process.read_clock()
             except PyMongoError as exc:

@@ -15,11 +15,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aio_pika.abc
+import pytest
 from bson.codec_options import CodecOptions
 
 from lily_mongo import MongoScope, OutboxOptions, queue
 from lily_mongo._amqp import connect_amqp
 from lily_mongo._outbox import Outbox, OutboxRelay, OutboxTransaction
+from lily_mongo._outbox import process as process_module
 from lily_mongo._tasks import TaskSet
 from lily_mongo.testing import Faults
 from tests.integration.test_outbox import OUTBOX, event_ids, outbox_consumer, outbox_record
@@ -218,4 +220,30 @@ async def test_a_mark_that_fails_once_is_retried_and_nothing_is_published_twice(
         assert outbox.process.counters.left == 0  # the dispatcher published them
         await asyncio.sleep(options.claim_seconds + 1.0)  # past the claim: a lost mark would be relayed again
         assert await mongodb.db[OUTBOX].count_documents({"status": "published"}) == 5
+    assert event_ids(await broker.drain(down)) == written
+
+
+# -- server time --------------------------------------------------------------------------------------
+
+
+async def test_a_backward_clock_step_causes_no_second_publish_by_a_relay(
+    mongodb: MongoDB, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writing process's wall clock steps back two minutes after its start (NTP, a VM resumed): its
+    records' claims still run ``claim_seconds`` on the server's clock, so a relay beside it (another
+    process's, on the true clock) publishes none of them again."""
+    down = await broker.declare(broker.queue("down"))
+    options = OutboxOptions(run_relay=False, count_interval=0.1)  # marks within mark_interval (1 s)
+    relay = OutboxRelay(mongodb.db[OUTBOX], OutboxOptions(poll_interval=0.05, count_interval=0.1), "relay-beside")
+    outbox = Outbox(mongodb.client, mongodb.name, amqp_url=broker.url, options=options, confirm_timeout=0.5)
+    async with outbox, relay_on(broker.url, relay, 5.0):
+        stepped = datetime.timedelta(minutes=2)
+        monkeypatch.setattr(process_module, "utcnow", lambda: datetime.datetime.now(datetime.UTC) - stepped)
+
+        async def write(tx: OutboxTransaction) -> list[str]:
+            return [str(await tx.publish_json(down, {"n": i}, version=1)) for i in range(5)]
+
+        written = await outbox.transaction(write)
+        await asyncio.sleep(2.0)  # the marks wait up to mark_interval; the relay polls 40 times meanwhile
+        assert relay.published == 0
     assert event_ids(await broker.drain(down)) == written
