@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from pymongo.asynchronous.collection import AsyncCollection
 log = logging.getLogger("lily_mongo")
 
+# The snapshot's counts stop at this many records each: a count walks its index keys, and a
+# backlog larger than this shows as this figure (docs/outbox.md, "The backstop relay").
+COUNT_LIMIT = 100_000
+
 # -- the backstop relay -----------------------------------------------------------------------------
 
 
@@ -122,6 +126,15 @@ class OutboxRelay:
 
     async def start(self, connection: aio_pika.abc.AbstractConnection, confirm_timeout: float, tasks: TaskSet) -> None:
         """Open the relay's confirming channel and start relaying, a task of the supervisor's."""
+        if self._options.claim_seconds < 2 * confirm_timeout:
+            # A batch holds its claim while its publishes wait for their confirms, then marks: a claim
+            # shorter than that lets another relay take the batch and publish it again.
+            log.warning(
+                "outbox relay: OutboxOptions.claim_seconds (%g s) is less than twice the confirm timeout (%g s): "
+                "a batch whose confirms are slow may be claimed and published again by another relay",
+                self._options.claim_seconds,
+                confirm_timeout,
+            )
         self._channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         self._task = tasks.spawn(self.run(ChannelTransport(self._channel, confirm_timeout)), name="lily-relay")
 
@@ -206,10 +219,11 @@ class OutboxRelay:
 
     async def refresh_counts(self) -> None:
         """Count pending and failed records, for the snapshot: two counts, each through its partial index
-        (a count of both statuses at once would not imply either index's filter, and scan the collection)."""
+        (a count of both statuses at once would not imply either index's filter, and scan the collection),
+        each stopping at :data:`COUNT_LIMIT`."""
         try:
-            pending = await self._collection.count_documents({"status": protocol.PENDING})
-            failed = await self._collection.count_documents({"status": protocol.FAILED})
+            pending = await self._collection.count_documents({"status": protocol.PENDING}, limit=COUNT_LIMIT)
+            failed = await self._collection.count_documents({"status": protocol.FAILED}, limit=COUNT_LIMIT)
         except PyMongoError:
             return
         self.counters.pending, self.counters.failed = pending, failed

@@ -22,6 +22,7 @@ from lily_mongo import MongoScope, OutboxOptions, queue
 from lily_mongo._amqp import connect_amqp
 from lily_mongo._outbox import Outbox, OutboxRelay, OutboxTransaction
 from lily_mongo._outbox import process as process_module
+from lily_mongo._outbox import relay as relay_module
 from lily_mongo._tasks import TaskSet
 from lily_mongo.testing import Faults
 from tests.integration.test_outbox import OUTBOX, event_ids, outbox_consumer, outbox_record
@@ -247,3 +248,24 @@ async def test_a_backward_clock_step_causes_no_second_publish_by_a_relay(
         await asyncio.sleep(2.0)  # the marks wait up to mark_interval; the relay polls 40 times meanwhile
         assert relay.published == 0
     assert event_ids(await broker.drain(down)) == written
+
+
+async def test_a_relay_whose_claim_is_shorter_than_twice_its_confirm_timeout_warns_at_start(
+    mongodb: MongoDB, broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    relay = OutboxRelay(mongodb.db[OUTBOX], OutboxOptions(claim_seconds=5.0), "relay-short")
+    async with relay_on(broker.url, relay, 3.0):
+        pass
+    [warning] = [r for r in caplog.records if "claim_seconds" in r.getMessage()]
+    assert warning.levelname == "WARNING"
+    assert "5 s" in warning.getMessage()
+    assert "3 s" in warning.getMessage()
+
+
+async def test_the_snapshots_counts_stop_at_their_limit(mongodb: MongoDB, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay_module, "COUNT_LIMIT", 3)
+    outbox = mongodb.db[OUTBOX]
+    await outbox.insert_many([outbox_record("down", {"n": i}) for i in range(5)])
+    relay = OutboxRelay(outbox, OutboxOptions(), "relay-counts")
+    await relay.refresh_counts()
+    assert (relay.pending, relay.failed) == (3, 0)  # five pending, shown as the limit
