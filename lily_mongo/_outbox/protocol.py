@@ -105,7 +105,8 @@ def new_record(
     them from 0 in write order: the relay's order (:data:`DUE_SORT`) keeps them in
     that order. With ``claim``, the record is born claimed by its writer's dispatcher
     (an insert takes no ``$$NOW``: ``claim.expires`` is the writer's clock corrected
-    by its offset to the server's); without, it is free for a relay at once.
+    by its offset to the server's) and ``available_at`` is that expiry; without, it
+    is free for a relay at once.
     """
     record: dict[str, Any] = {
         "_id": record_id,
@@ -119,7 +120,9 @@ def new_record(
         "status": PENDING,
         "attempts": 0,
         "created_at": written_at,
-        "available_at": written_at,
+        # Born claimed, it is due when the claim expires: until then the due query's index range
+        # (status, available_at) leaves it out, and an idle relay's poll does not fetch it.
+        "available_at": written_at if claim is None else claim.expires,
         "seq": seq,
     }
     if claim is not None:

@@ -269,3 +269,27 @@ async def test_the_snapshots_counts_stop_at_their_limit(mongodb: MongoDB, monkey
     relay = OutboxRelay(outbox, OutboxOptions(), "relay-counts")
     await relay.refresh_counts()
     assert (relay.pending, relay.failed) == (3, 0)  # five pending, shown as the limit
+
+
+# -- polls fetch only what is due -----------------------------------------------------------------
+
+
+async def test_a_record_in_flight_is_outside_the_due_querys_index_range(mongodb: MongoDB, broker: Broker) -> None:
+    """A born-claimed record becomes due when its claim expires: until then the due query's index bounds
+    (status, available_at) exclude it, so an idle relay's poll fetches nothing that is merely in flight."""
+    down = await broker.declare(broker.queue("down"))
+    options = OutboxOptions(run_relay=False, count_interval=0.1)  # marks wait up to mark_interval (1 s)
+    outbox = Outbox(mongodb.client, mongodb.name, amqp_url=broker.url, options=options, confirm_timeout=0.5)
+    async with outbox:
+
+        async def write(tx: OutboxTransaction) -> None:
+            for i in range(3):
+                await tx.publish_json(down, {"n": i}, version=1)
+
+        await outbox.transaction(write)
+        records = await mongodb.db[OUTBOX].find({"status": "pending"}).to_list()
+        assert len(records) == 3  # committed, not marked yet
+        assert {r["available_at"] for r in records} == {r["claim_expires"] for r in records}
+        in_range = {"status": "pending", "available_at": {"$lte": outbox.process.clock()}}
+        assert await mongodb.db[OUTBOX].count_documents(in_range) == 0
+        await outbox.process.dispatched()
