@@ -135,13 +135,26 @@ def new_record(
 # -- claims ---------------------------------------------------------------------------------------
 
 # A record is free when it has no claim or its claim expired, on the server clock.
-_FREE_EXPR: dict[str, Any] = {"$lte": [{"$ifNull": ["$claim_expires", EPOCH]}, "$$NOW"]}
+_LAPSED_EXPR: dict[str, Any] = {"$lte": [{"$ifNull": ["$claim_expires", EPOCH]}, "$$NOW"]}
 
 
-def is_free(record: Record, now: datetime.datetime) -> bool:
-    """No live claim on ``record`` at server time ``now`` (what ``$expr`` of :func:`due_filter` tests)."""
+def _free_expr(horizon: float | None) -> dict[str, Any]:
+    """:data:`_LAPSED_EXPR`, or, with ``horizon``, also a claim expiring more than ``horizon`` seconds
+    past the server's now: no holder claims that far ahead, so its writer's clock was wrong."""
+    if horizon is None:
+        return _LAPSED_EXPR
+    return {"$or": [_LAPSED_EXPR, {"$gt": ["$claim_expires", {"$add": ["$$NOW", _ms(horizon)]}]}]}
+
+
+def _implausible(value: datetime.datetime | None, now: datetime.datetime, horizon: float | None) -> bool:
+    return horizon is not None and value is not None and value > now + datetime.timedelta(milliseconds=_ms(horizon))
+
+
+def is_free(record: Record, now: datetime.datetime, horizon: float | None = None) -> bool:
+    """No live claim on ``record`` at server time ``now`` (what ``$expr`` of :func:`due_filter` tests); with
+    ``horizon``, a claim expiring more than that many seconds after ``now`` counts as none."""
     expires = aware(record.get("claim_expires"))
-    return expires is None or expires <= now
+    return expires is None or expires <= now or _implausible(expires, now, horizon)
 
 
 def claim_lasts(record: Record, now: datetime.datetime, seconds: float) -> bool:
@@ -150,22 +163,37 @@ def claim_lasts(record: Record, now: datetime.datetime, seconds: float) -> bool:
     return expires is not None and expires - now >= datetime.timedelta(seconds=seconds)
 
 
-def is_due(record: Record, now: datetime.datetime) -> bool:
-    """Pending, available and free at ``now``: what a relay may claim (:func:`due_filter`)."""
+def is_due(record: Record, now: datetime.datetime, horizon: float | None = None) -> bool:
+    """Pending, available and free at ``now``: what a relay may claim (:func:`due_filter`). With
+    ``horizon``, an ``available_at`` or a claim further ahead than that counts as passed."""
     available = aware(record.get("available_at")) or EPOCH
-    return record.get("status") == PENDING and available <= now and is_free(record, now)
+    in_time = available <= now or _implausible(available, now, horizon)
+    return record.get("status") == PENDING and in_time and is_free(record, now, horizon)
 
 
-def due_filter(now: datetime.datetime) -> dict[str, Any]:
+def _due(now: datetime.datetime, horizon: float | None) -> dict[str, Any]:
+    if horizon is None:
+        return {"status": PENDING, "available_at": {"$lte": now}}
+    ahead = now + datetime.timedelta(milliseconds=_ms(horizon))
+    # Two ranges of the index (status, available_at): what is due, and what no writer can have meant.
+    return {
+        "$or": [
+            {"status": PENDING, "available_at": {"$lte": now}},
+            {"status": PENDING, "available_at": {"$gt": ahead}},
+        ]
+    }
+
+
+def due_filter(now: datetime.datetime, horizon: float | None = None) -> dict[str, Any]:
     """Records a relay may claim: pending, available by ``now`` (the relay's corrected clock, for the
-    index range), and free on the server clock."""
-    return {"status": PENDING, "available_at": {"$lte": now}, "$expr": _FREE_EXPR}
+    index range), and free on the server clock; with ``horizon``, see :func:`is_due`."""
+    return {**_due(now, horizon), "$expr": _free_expr(horizon)}
 
 
-def claim_filter(ids: Sequence[str], now: datetime.datetime) -> dict[str, Any]:
+def claim_filter(ids: Sequence[str], now: datetime.datetime, horizon: float | None = None) -> dict[str, Any]:
     """The batch claim's filter: those of ``ids`` still due at ``now``: pending, available and free (another
     relay may have taken some, or taken one, been refused and released it with a backoff)."""
-    return {"_id": {"$in": list(ids)}, "status": PENDING, "available_at": {"$lte": now}, "$expr": _FREE_EXPR}
+    return {"_id": {"$in": list(ids)}, **_due(now, horizon), "$expr": _free_expr(horizon)}
 
 
 def claim_update(owner: str, token: str, *, claim_seconds: float) -> list[dict[str, Any]]:
@@ -182,10 +210,16 @@ def claim_update(owner: str, token: str, *, claim_seconds: float) -> list[dict[s
 
 
 def claim_transition(
-    record: Record, *, owner: str, token: str, now: datetime.datetime, claim_seconds: float
+    record: Record,
+    *,
+    owner: str,
+    token: str,
+    now: datetime.datetime,
+    claim_seconds: float,
+    horizon: float | None = None,
 ) -> dict[str, Any] | None:
     """The record after :func:`claim_update`, or None when :func:`claim_filter` does not match it."""
-    if not is_due(record, now):
+    if not is_due(record, now, horizon):
         return None
     doc = dict(record)
     doc["claim_owner"], doc["claim_token"] = owner, token

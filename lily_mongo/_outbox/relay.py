@@ -34,6 +34,9 @@ log = logging.getLogger("lily_mongo")
 # The snapshot's counts stop at this many records each: a count walks its index keys, and a
 # backlog larger than this shows as this figure (docs/outbox.md, "The backstop relay").
 COUNT_LIMIT = 100_000
+# Beyond the longest wait a writer or a relay sets (claim_seconds, backoff_max), this much more
+# (clocks of several processes) makes a claim or an availability implausible: it counts as passed.
+HORIZON_SLACK = 10.0
 
 # -- the backstop relay -----------------------------------------------------------------------------
 
@@ -75,6 +78,7 @@ class OutboxRelay:
         self._channel: aio_pika.abc.AbstractChannel | None = None
         self._claim_warned = -WARNING_INTERVAL
         self._breaker = Breaker(options)
+        self._horizon = max(options.claim_seconds, options.backoff_max) + HORIZON_SLACK
 
     # The snapshot's figures (shared with the process's dispatcher).
     @property
@@ -232,7 +236,7 @@ class OutboxRelay:
         """Claim up to ``batch_size`` due records in three commands; returns them in publishing order."""
         size = self._options.batch_size
         found = await (
-            self._collection.find(protocol.due_filter(self._clock()), {"_id": 1})
+            self._collection.find(protocol.due_filter(self._clock(), self._horizon), {"_id": 1})
             .sort(protocol.DUE_SORT)
             .limit(size)
             .batch_size(size)
@@ -243,7 +247,7 @@ class OutboxRelay:
             return []
         token = uuid.uuid4().hex
         claimed = await self._majority.update_many(
-            protocol.claim_filter(ids, self._clock()),
+            protocol.claim_filter(ids, self._clock(), self._horizon),
             protocol.claim_update(self._owner, token, claim_seconds=self._options.claim_seconds),
         )
         if not claimed.matched_count:

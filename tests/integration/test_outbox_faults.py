@@ -293,3 +293,18 @@ async def test_a_record_in_flight_is_outside_the_due_querys_index_range(mongodb:
         in_range = {"status": "pending", "available_at": {"$lte": outbox.process.clock()}}
         assert await mongodb.db[OUTBOX].count_documents(in_range) == 0
         await outbox.process.dispatched()
+
+
+async def test_a_claim_implausibly_far_ahead_counts_as_free(mongodb: MongoDB, broker: Broker) -> None:
+    """A record born claimed by a writer whose clock read a day ahead: a relay publishes it now, not tomorrow."""
+    down = await broker.declare(broker.queue("down"))
+    outbox = mongodb.db[OUTBOX]
+    tomorrow = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=1)
+    record = outbox_record(
+        down, {"n": 0}, claim_owner="w", claim_token="t", claim_expires=tomorrow, available_at=tomorrow
+    )
+    await outbox.insert_one(record)
+    relay = OutboxRelay(outbox, OutboxOptions(poll_interval=0.05, count_interval=0.1), "relay-ahead")
+    async with relay_on(broker.url, relay, 5.0):
+        await broker.wait_for_depth(down, 1, timeout=10)
+    assert event_ids(await broker.drain(down)) == [record["event_id"]]

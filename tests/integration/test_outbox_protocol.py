@@ -47,6 +47,10 @@ def states(*names: str) -> list[dict[str, Any]]:
         "later": record("later", available_at=t + 60 * SECOND),
         "published": record("published", status="published"),
         "failed": record("failed", status="failed"),
+        # Born claimed by a writer whose clock read a day ahead: implausible beyond a horizon.
+        "ahead": record(
+            "ahead", claim_owner="x", claim_token="c", claim_expires=t + 86400 * SECOND, available_at=t + 86400 * SECOND
+        ),
     }
     return [every[name] for name in names]
 
@@ -73,6 +77,21 @@ async def test_the_due_filter_finds_exactly_what_is_due_says(mongodb: MongoDB) -
     await outbox.insert_many(records)
     found = {doc["_id"] for doc in await outbox.find(protocol.due_filter(now())).to_list()}
     assert found == {r["_id"] for r in records if protocol.is_due(r, now())} == {"free", "expired"}
+
+
+async def test_with_a_horizon_the_due_filter_also_finds_what_is_implausibly_far_ahead(mongodb: MongoDB) -> None:
+    outbox = mongodb.db["outbox"]
+    records = states("free", "expired", "live", "later", "published", "failed", "ahead")
+    await outbox.insert_many(records)
+    horizon = 120.0  # "live" and "later" are 60 s ahead: plausible; "ahead" is a day ahead
+    found = {doc["_id"] for doc in await outbox.find(protocol.due_filter(now(), horizon)).to_list()}
+    expected = {r["_id"] for r in records if protocol.is_due(r, now(), horizon)}
+    assert found == expected == {"free", "expired", "ahead"}
+    ids = [r["_id"] for r in records]
+    claimed = await outbox.update_many(
+        protocol.claim_filter(ids, now(), horizon), protocol.claim_update("relay", "T", claim_seconds=30)
+    )
+    assert claimed.matched_count == 3
 
 
 async def test_the_claim_and_its_transition_agree(mongodb: MongoDB) -> None:
