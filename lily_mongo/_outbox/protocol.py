@@ -165,9 +165,11 @@ def claim_lasts(record: Record, now: datetime.datetime, seconds: float) -> bool:
 
 def is_due(record: Record, now: datetime.datetime, horizon: float | None = None) -> bool:
     """Pending, available and free at ``now``: what a relay may claim (:func:`due_filter`). With
-    ``horizon``, an ``available_at`` or a claim further ahead than that counts as passed."""
+    ``horizon``, a claim further ahead than that counts as none, and so does the ``available_at`` of a
+    record born with it (a record without a claim may be meant for later)."""
     available = aware(record.get("available_at")) or EPOCH
-    in_time = available <= now or _implausible(available, now, horizon)
+    expires = aware(record.get("claim_expires"))
+    in_time = available <= now or (_implausible(available, now, horizon) and _implausible(expires, now, horizon))
     return record.get("status") == PENDING and in_time and is_free(record, now, horizon)
 
 
@@ -175,11 +177,12 @@ def _due(now: datetime.datetime, horizon: float | None) -> dict[str, Any]:
     if horizon is None:
         return {"status": PENDING, "available_at": {"$lte": now}}
     ahead = now + datetime.timedelta(milliseconds=_ms(horizon))
-    # Two ranges of the index (status, available_at): what is due, and what no writer can have meant.
+    # Two ranges of the index (status, available_at): what is due, and a born claim no writer can
+    # have meant (its available_at is its claim's expiry).
     return {
         "$or": [
             {"status": PENDING, "available_at": {"$lte": now}},
-            {"status": PENDING, "available_at": {"$gt": ahead}},
+            {"status": PENDING, "available_at": {"$gt": ahead}, "claim_expires": {"$gt": ahead}},
         ]
     }
 

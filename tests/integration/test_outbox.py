@@ -484,9 +484,10 @@ async def test_expired_claim_is_taken_over_and_a_live_claim_is_respected(mongodb
         claim_token="t1",
         claim_expires=now - datetime.timedelta(minutes=1),
     )
-    # Another relay holds a live claim (it may be publishing right now).
+    # Another relay holds a live claim (it may be publishing right now). Within claim_seconds (30 s)
+    # of now: a claim further ahead than any relay takes counts as free (docs/outbox.md, "Server time").
     held = outbox_record(
-        down, {"n": "held"}, claim_owner="alive", claim_token="t2", claim_expires=now + datetime.timedelta(hours=1)
+        down, {"n": "held"}, claim_owner="alive", claim_token="t2", claim_expires=now + datetime.timedelta(seconds=20)
     )
     await outbox.insert_many([crashed, held])
     relay = OutboxRelay(outbox, OutboxOptions(poll_interval=0.05), "relay-new")
