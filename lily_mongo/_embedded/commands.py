@@ -17,11 +17,16 @@ uses them (docs/emulator.md):
   one first (MongoDB's rule for a new transaction number; mongoeco would carry the
   old transaction's writes into the new one);
 * ``getParameter`` / ``setParameter`` (:mod:`.parameters`), ``hello``
-  (:mod:`.handshake`) and retryable writes (:mod:`.retries`).
+  (:mod:`.handshake`) and retryable writes (:mod:`.retries`);
+* on request (``majority_latency``), a replica set's wait for the majority: a
+  commit, and a write outside a transaction acknowledged by more than the primary
+  (MongoDB's default write concern is the majority), answers that many seconds
+  after it applied. Off by default: a model for benchmarks, not a deviation fixed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +48,7 @@ __all__ = ["LilyCommandExecutor", "LilySessionStore"]
 _UNKNOWN_COMMIT = "UnknownTransactionCommitResult"
 # The SQLite engine's answer to a second concurrent transaction (docs/emulator.md, "The SQLite engine").
 _ENGINE_BUSY = "already has an active transaction"
+_WRITES = frozenset({"insert", "update", "delete", "findAndModify"})
 
 
 class LilySessionStore(WireSessionStore):
@@ -107,9 +113,11 @@ class LilyCommandExecutor(WireCommandExecutor):
         auth: Any,
         book: TransactionBook,
         member: Callable[[Any], str] | None,
+        majority_latency: float = 0.0,
     ) -> None:
         super().__init__(client, cursor_store, session_store, surface=surface, auth=auth)
         self._book = book
+        self._majority_latency = majority_latency
         if member is not None:  # hello as a replica set's primary (.handshake)
             self._handlers = ReplicaSetHandlers(
                 client=client,
@@ -145,6 +153,10 @@ class LilyCommandExecutor(WireCommandExecutor):
             if transaction is not None and reply.get("writeErrors"):
                 # Inside a transaction MongoDB answers a write error as the command's error, and aborts.
                 self._abort(session, f"its {name} failed with a write error")
+            if self._majority_latency > 0 and waits_for_majority(
+                name, context.raw_body, in_transaction=transaction is not None
+            ):
+                await asyncio.sleep(self._majority_latency)
             return reply
         except Exception as exc:
             if transaction is not None and name != "abortTransaction":
@@ -176,6 +188,19 @@ class LilyCommandExecutor(WireCommandExecutor):
         except Held:  # a held document met on a path the engine does not wait on: MongoDB's answer there
             raise write_conflict("the document is held by a transaction") from None
         return result
+
+
+def waits_for_majority(name: str, body: dict[str, Any], *, in_transaction: bool) -> bool:
+    """Whether a replica set's primary would answer ``name`` only once a majority has it: a commit, or
+    a write outside a transaction whose write concern asks more than the primary (``w`` absent: the
+    default, the majority)."""
+    if name == "commitTransaction":
+        return True
+    if name not in _WRITES or in_transaction:
+        return False
+    concern = body.get("writeConcern")
+    w = concern.get("w") if isinstance(concern, dict) else None
+    return not (isinstance(w, int) and not isinstance(w, bool) and w <= 1)
 
 
 def _ends_transaction(error: OperationFailure) -> bool:
