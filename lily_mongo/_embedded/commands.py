@@ -16,6 +16,9 @@ uses them (docs/emulator.md):
 * ``startTransaction`` on a session whose transaction is still open aborts that
   one first (MongoDB's rule for a new transaction number; mongoeco would carry the
   old transaction's writes into the new one);
+* ``killSessions`` aborts the named sessions' open transactions at once (their
+  documents released, their next command refused), as MongoDB's does for a
+  transaction that is not prepared; mongoeco does not know the command;
 * ``getParameter`` / ``setParameter`` (:mod:`.parameters`), ``hello``
   (:mod:`.handshake`) and retryable writes (:mod:`.retries`);
 * on request (``majority_latency``), a replica set's wait for the majority: a
@@ -43,7 +46,10 @@ from .locks import command_deadline
 from .retries import RetryableWrites
 from .transactions import TransactionBook
 
-__all__ = ["LilyCommandExecutor", "LilySessionStore"]
+__all__ = ["COMMANDS", "LilyCommandExecutor", "LilySessionStore"]
+
+KILL_SESSIONS = "killSessions"
+COMMANDS = (*parameters.COMMANDS, KILL_SESSIONS)  # the commands this layer answers that mongoeco does not
 
 _UNKNOWN_COMMIT = "UnknownTransactionCommitResult"
 # The SQLite engine's answer to a second concurrent transaction (docs/emulator.md, "The SQLite engine").
@@ -99,6 +105,22 @@ class LilySessionStore(WireSessionStore):
                 self._book.end(context.session.session_id)
         return reply
 
+    def kill_sessions(self, session_specs: object, book: TransactionBook) -> dict[str, Any]:
+        """``killSessions``: abort each named session's open transaction (an empty list names none here:
+        MongoDB's would kill every session of the user, which no client of this server asks for)."""
+        if not isinstance(session_specs, list):
+            raise OperationFailure("killSessions must be a list", code=14, details={"codeName": "TypeMismatch"})
+        for spec in session_specs:
+            context = self._sessions.get(wire_session_key(spec))
+            if context is None:
+                continue
+            transaction = book.get(context.session.session_id)
+            if transaction is not None:
+                book.abort(transaction, "its session was killed (killSessions)")
+            if (transaction is None or not transaction.running) and context.session.transaction_active:
+                context.session.abort_transaction()
+        return {"ok": 1.0}
+
 
 class LilyCommandExecutor(WireCommandExecutor):
     """mongoeco's command executor with the rules of the module docstring."""
@@ -128,6 +150,7 @@ class LilyCommandExecutor(WireCommandExecutor):
                 member=member,
             )
         self._auth_service = auth
+        self._sessions = session_store
         self._writes = RetryableWrites()
 
     async def execute_prepared(self, context: Any) -> dict[str, Any]:
@@ -135,6 +158,9 @@ class LilyCommandExecutor(WireCommandExecutor):
         if name in parameters.COMMANDS:
             self._auth_service.require_authenticated(context.connection, name)
             return parameters.answer(context, self._book)
+        if name == KILL_SESSIONS:
+            self._auth_service.require_authenticated(context.connection, name)
+            return self._sessions.kill_sessions(context.command_document[name], self._book)
         session = context.session
         transaction = None
         if session is not None and context.raw_body.get("autocommit") is False:

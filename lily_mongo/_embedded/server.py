@@ -19,7 +19,7 @@ from typing import Any, Final
 from mongoeco.wire import AsyncMongoEcoProxyServer
 from mongoeco.wire.surface import WIRE_SUPPORTED_COMMANDS, WireSurface
 
-from . import parameters
+from . import commands
 from .commands import LilyCommandExecutor, LilySessionStore
 from .engine import LilyMemoryEngine
 from .transactions import TransactionBook
@@ -47,7 +47,7 @@ class CorrectedServer(AsyncMongoEcoProxyServer):  # type: ignore[misc]  # mongoe
         super().__init__(engine=engine, host=host, port=port)
         self.book = book
         self._local: dict[tuple[str, int], str] = {}  # a client's address -> the address it reached
-        self._surface = WireSurface(supported_commands=(*WIRE_SUPPORTED_COMMANDS, *parameters.COMMANDS))
+        self._surface = WireSurface(supported_commands=(*WIRE_SUPPORTED_COMMANDS, *commands.COMMANDS))
         self._session_store = LilySessionStore(book)
         self._executor = LilyCommandExecutor(
             self._client,

@@ -524,3 +524,24 @@ async def test_on_the_sqlite_engine_a_second_transaction_is_refused_transient(va
     finally:
         process.terminate()
         await asyncio.wait_for(process.wait(), 10)
+
+
+async def test_kill_sessions_aborts_the_session_s_transaction_and_frees_its_document(db: Any) -> None:
+    docs = db.kill_sessions
+    await docs.insert_one({"_id": "k", "n": 0})
+    async with db.client.start_session() as session:
+        await session.start_transaction()
+        await docs.update_one({"_id": "k"}, {"$inc": {"n": 1}}, session=session)
+        if db.variant == "as-shipped":  # mongoeco does not know the command
+            with pytest.raises(OperationFailure, match="unsupported wire command: killSessions"):
+                await db.client.admin.command({"killSessions": [session.session_id]})
+            await session.abort_transaction()
+            return
+        reply = await db.client.admin.command({"killSessions": [session.session_id]})
+        assert reply["ok"] == 1.0
+        with pymongo.timeout(2):  # not held any more: applies at once
+            await docs.update_one({"_id": "k"}, {"$inc": {"n": 10}})
+        with pytest.raises(OperationFailure) as refused:
+            await session.commit_transaction()
+        assert refused.value.code == 251  # NoSuchTransaction, as on MongoDB
+    assert await docs.find_one({"_id": "k"}) == {"_id": "k", "n": 10}
