@@ -696,10 +696,12 @@ class SimAdmin:
         raise AssertionError(f"the model does not know the command {name}")
 
 
+@dataclass(eq=False)
 class SimDatabase:
-    def __init__(self, client: SimClient, name: str) -> None:
-        self.client = client
-        self.name = name
+    """A database handle: its collections are on ``client``."""
+
+    client: SimClient
+    name: str
 
     def __getitem__(self, name: str) -> SimCollection:
         return SimCollection(self.client, name)
