@@ -47,6 +47,11 @@ def connection_error(url: str, exc: BaseException) -> TransportError:
     exceptions name a Connection.Close frame object for a refused virtual host)."""
     where = redact_url(url)
     failure = amqp_failure(exc)
+    nodes = next((e for e in _chain(exc) if isinstance(e, NoNodeAnswered)), None)
+    if nodes is not None:
+        return TransportError(
+            f"RabbitMQ is not reachable at {where}: no node answered ({nodes.args[0]})", unreachable=True
+        )
     if failure is AmqpFailure.LOGIN_REFUSED:
         return TransportError(f"RabbitMQ at {where} refused the login (ACCESS_REFUSED): check the user and password")
     if failure is AmqpFailure.PROTOCOL and "Connection.Close" in str(exc):
@@ -63,6 +68,16 @@ def connection_error(url: str, exc: BaseException) -> TransportError:
         detail = _os_detail(cause) if cause is not None else _amqp_detail(exc)
         return TransportError(f"RabbitMQ is not reachable at {where} ({detail})", unreachable=True)
     return TransportError(f"connecting to RabbitMQ at {where} failed ({type(exc).__name__})")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes (and contexts), at most 10."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(chain) < 10:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
 
 def _os_detail(exc: BaseException) -> str:
@@ -82,6 +97,10 @@ def _amqp_detail(exc: aiormq.exceptions.AMQPConnectionError) -> str:
     if len(args) == 2 and isinstance(args[1], str):
         return args[1]  # (errno, text): how aiormq wraps the socket's OSError
     return type(exc).__name__
+
+
+class NoNodeAnswered(aiormq.exceptions.AMQPConnectionError):
+    """No node of several accepted the connection: its text names each node and what refused it."""
 
 
 class LenientTransport(aiormq.connection.TransportFactory):
@@ -141,7 +160,7 @@ class LenientTransport(aiormq.connection.TransportFactory):
                 self.on_node(node)
             return opened
         assert error is not None
-        raise aiormq.exceptions.AMQPConnectionError(f"no node answered: {', '.join(failures)}") from error
+        raise NoNodeAnswered(", ".join(failures)) from error
 
     @property
     def connected_node(self) -> str | None:
