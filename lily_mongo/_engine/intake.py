@@ -36,7 +36,7 @@ from .engine import Engine
 from .message import InboundMessage
 from .queues import QueueState
 
-__all__ = ["AmqpIntake", "QueueConsumer"]
+__all__ = ["AmqpIntake", "QueueConsumer", "cancel_cause"]
 
 log = logging.getLogger("lily_mongo")
 
@@ -47,6 +47,20 @@ _RESUME_CAP = 5.0
 # Settlement's share of a delivery's unacknowledged time, besides the handoff's confirm: the
 # longest pause before a requeue (docs/settlement.md, section 4).
 _REQUEUE_PAUSE_MAX = 2.0
+
+
+def cancel_cause(*, exists: bool | None, busy: bool, declares: bool) -> str:
+    """The likely cause of a broker's ``basic.cancel``, which gives none: ``exists`` says whether the
+    queue exists now (None: unknown), ``busy`` whether deliveries of the queue were unsettled then,
+    ``declares`` whether the consumer declares the queue."""
+    if exists is False:
+        return "the queue was deleted" + ("; declaring it again" if declares else "")
+    if busy:
+        return (
+            "likely its consumer timeout: a delivery stayed unacknowledged longer than the broker allows "
+            "(docs/deployment.md)"
+        )
+    return "no reason given: a queue deleted and declared again, or a replica moved"
 
 
 class QueueConsumer:
@@ -157,24 +171,20 @@ class AmqpIntake:
         loop = asyncio.get_running_loop()
         cancelled_at = loop.time()
         await self._retire(consumer)
-        exists = await self._queue_exists(options.name)
-        if exists is False:
-            cause = "the queue was deleted" + ("; declaring it again" if not options.passive else "")
-        elif busy:
-            cause = (
-                "likely its consumer timeout: a delivery stayed unacknowledged longer than the broker allows "
-                "(docs/deployment.md)"
-            )
-        else:
-            cause = "no reason given: a queue deleted and declared again, or a replica moved"
-        log.warning("the broker cancelled the consumer of queue %s (%s); consuming it again", options.name, cause)
         retry = 0
         while engine.accepting:
+            # The broker may cancel before the queue is gone (a quorum queue's deletion): look after the pause.
             await asyncio.sleep(backoff(retry, base=_RESUME_BASE, cap=_RESUME_CAP, jitter=random.random()))
             if not engine.accepting:
                 return
+            exists = await self._queue_exists(options.name)
+            if retry == 0:
+                cause = cancel_cause(exists=exists, busy=busy, declares=not options.passive)
+                log.warning(
+                    "the broker cancelled the consumer of queue %s (%s); consuming it again", options.name, cause
+                )
             try:
-                if not options.passive and not await self._queue_exists(options.name):
+                if exists is False and not options.passive:
                     await declare_topology(self.connection, options)
                 await self._open(consumer)
             except Exception as exc:

@@ -169,19 +169,30 @@ def longest_unacked(options: QueueOptions, settlement: float) -> float:
 
 def consumer_timeout_warning(options: QueueOptions, settlement: float) -> str | None:
     """What a consumer says at start when a delivery of the queue could stay unacknowledged past the
-    broker's consumer timeout (``options.consumer_timeout``, else RabbitMQ's default); None when it cannot."""
-    longest = longest_unacked(options, settlement)
+    broker's consumer timeout; None when it cannot.
+
+    Against ``options.consumer_timeout`` (the timeout the broker applies to the queue, as the
+    operator configured it) the whole wait counts, the prefetch buffer's included. When it is
+    not set the timeout is not known: only a delivery's own run and settlement are held against
+    RabbitMQ's default, so a long backlog behind few permits does not warn on every start.
+    """
     timeout = options.consumer_timeout
     if timeout is None:
         timeout, source = BROKER_DEFAULT_CONSUMER_TIMEOUT, "RabbitMQ's default (consumer_timeout not set)"
+        longest = options.deadline + options.cooperation_window + settlement
+        what = f"deadline={options.deadline:g} s with cooperation_window={options.cooperation_window:g} s, settlement"
     else:
         source = "consumer_timeout"
+        longest = longest_unacked(options, settlement)
+        what = (
+            f"the prefetch buffer's wait behind concurrency={options.concurrency}, deadline={options.deadline:g} s "
+            f"with cooperation_window={options.cooperation_window:g} s, settlement"
+        )
     if longest <= timeout:
         return None
     return (
-        f"queue {options.name!r:.80}: a delivery may stay unacknowledged up to {longest:.0f} s (the prefetch "
-        f"buffer's wait, deadline={options.deadline:g} s with cooperation_window={options.cooperation_window:g} s, "
-        f"settlement), past the broker's consumer timeout of {timeout:g} s, {source}: the broker will cancel "
-        "the consumer (or close its channel) and redeliver; lower prefetch or buffer, the deadline, or raise "
-        "the timeout (docs/deployment.md)"
+        f"queue {options.name!r:.80}: a delivery may stay unacknowledged up to {longest:.0f} s ({what}), past the "
+        f"broker's consumer timeout of {timeout:g} s, {source}: the broker then cancels the consumer (or closes "
+        "its channel) and redelivers; lower prefetch, buffer or the deadline, or raise the timeout "
+        "(docs/deployment.md)"
     )
