@@ -106,6 +106,8 @@ async def test_a_consumer_timeout_cancel_is_survived_and_every_event_applied_onc
     assert all(span < RESUMED_WITHIN for span in readiness.not_ready_spans()), readiness.changes
     warnings = cancel_warnings(caplog)
     assert len(warnings) == cancels, warnings
-    assert q in warnings[0] and "consumer timeout" in warnings[0], warnings
+    assert q in warnings[0], warnings
+    assert "consumer timeout" in warnings[0], warnings
     startup = [r.getMessage() for r in caplog.records if "past the broker's consumer timeout of 3 s" in r.getMessage()]
-    assert len(startup) == 1 and q in startup[0], startup
+    assert len(startup) == 1, startup
+    assert q in startup[0], startup

@@ -112,7 +112,9 @@ def recording(q: str, seen: list[Any]) -> Any:
     return handle
 
 
-async def deleted_queue_is_declared_again(broker: Broker, queue_type: QueueType, caplog: pytest.LogCaptureFixture) -> None:
+async def deleted_queue_is_declared_again(
+    broker: Broker, queue_type: QueueType, caplog: pytest.LogCaptureFixture
+) -> None:
     """The scenario: a consumer that declares its topology sees its queue deleted."""
     caplog.set_level(logging.INFO, logger="lily_mongo")
     q = broker.queue("deleted")
@@ -132,7 +134,8 @@ async def deleted_queue_is_declared_again(broker: Broker, queue_type: QueueType,
     assert took < RESUMED_WITHIN, took
     assert readiness.statuses == [200, 503, 200], readiness.changes
     [warning] = cancel_warnings(caplog)
-    assert q in warning and "the queue was deleted" in warning, warning
+    assert q in warning, warning
+    assert "the queue was deleted; declaring it again" in warning, warning
     # Declared again as the consumer declares it: with its dead-letter arguments.
     dead_letters = {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": f"{q}.dlq"}
     if queue_type == "quorum":
@@ -140,9 +143,7 @@ async def deleted_queue_is_declared_again(broker: Broker, queue_type: QueueType,
     assert await declare_or_refusal(broker.connection, q, dead_letters) is None
 
 
-async def test_a_deleted_queue_is_declared_again_and_consumed(
-    broker: Broker, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_a_deleted_queue_is_declared_again_and_consumed(broker: Broker, caplog: pytest.LogCaptureFixture) -> None:
     await deleted_queue_is_declared_again(broker, "classic", caplog)
 
 
@@ -171,4 +172,6 @@ async def test_a_queue_the_consumer_does_not_declare_is_consumed_again_once_decl
     assert took < RESUMED_WITHIN, took
     assert readiness.statuses == [200, 503, 200]
     [warning] = cancel_warnings(caplog)
-    assert q in warning and "the queue was deleted" in warning and "declaring it again" not in warning, warning
+    assert q in warning, warning
+    assert "the queue was deleted" in warning, warning
+    assert "declaring it again" not in warning, warning
