@@ -7,8 +7,9 @@ opens no HTTP port (docs/observability.md, section 3); only the command does, wh
 
 * ``GET /healthz``: 200 while the process is alive and the supervisor has not
   failed (503 once it ended with an error);
-* ``GET /readyz``: 200 only while the consumer runs with its channels open;
-  503 while starting, reconnecting, draining or stopped;
+* ``GET /readyz``: 200 only while the consumer runs with every queue consumed and
+  its channels open; 503 while starting, reconnecting, without a consumer on a queue
+  (the broker cancelled it), draining or stopped;
 * ``GET /metrics``: the snapshot's counters and gauges by queue (and outcome),
   and the duration histograms that telemetry keeps (when it is on).
 

@@ -108,8 +108,8 @@ class Wiring:
         await intake.start(self.engine)
 
     def ready(self) -> bool:
-        """True while every consuming channel and the handoff channel is open."""
-        return self.intake is not None and self.intake.channels_open()
+        """True while every queue has its consumer, every consuming channel and the handoff channel is open."""
+        return self.intake is not None and self.intake.ready()
 
     def open_in_process(self, tasks: TaskSet, outbox_send: Send | None = None) -> None:
         """Accept deliveries through :meth:`Engine.deliver` (no AMQP). With ``outbox_send``, committed

@@ -50,6 +50,7 @@ class QueueSettings(TypedDict, total=False):
     passive: bool
     unknown_errors: Literal["retryable", "permanent"]
     ack_delay: float
+    consumer_timeout: float | None
 
 
 class Consumer:

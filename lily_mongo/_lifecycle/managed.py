@@ -93,8 +93,9 @@ class ManagedConsumer:
 
     @property
     def ready(self) -> bool:
-        """True while running with every consuming channel and the handoff channel open
-        (False while starting, reconnecting, draining or stopped): a readiness probe."""
+        """True while running with every queue consumed and every consuming channel and the handoff channel
+        open (False while starting, reconnecting, consuming a queue again after the broker cancelled its
+        consumer, draining or stopped): a readiness probe."""
         wiring = self._wiring
         return self._lifecycle.state is State.RUNNING and wiring is not None and wiring.ready()
 

@@ -398,25 +398,6 @@ async def test_handlers_run_in_worker_tasks_that_end_when_the_queue_is_idle(brok
         )
 
 
-async def test_a_deleted_queue_is_reported_loudly(broker: Broker, caplog: pytest.LogCaptureFixture) -> None:
-    """The broker cancels the consumer of a deleted queue; the consumer says which queue went quiet."""
-    q = broker.queue("deleted")
-
-    @queue(q, version=1)
-    async def handle(event_id: EventId) -> None:
-        return None
-
-    consumer = broker.consumer(q, handle, name="deleted", concurrency=1)
-    async with running(consumer):
-        await broker.channel.queue_delete(q)
-        await eventually(
-            lambda: any(
-                r.name == "lily_mongo" and r.levelname == "ERROR" and q in r.getMessage() for r in caplog.records
-            ),
-            what="the report of the cancelled consumer",
-        )
-
-
 # -- topology -------------------------------------------------------------------------------------
 
 

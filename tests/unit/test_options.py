@@ -231,6 +231,8 @@ def test_custom_content_encoder_must_be_callable() -> None:
         ({"ack_delay": -0.001}, ("ack_delay", "0..0.1 seconds", "-0.001")),
         ({"ack_delay": 0.5}, ("ack_delay", "0..0.1 seconds", "0.5")),
         ({"ack_delay": "1ms"}, ("ack_delay", "finite number of seconds", "1ms")),
+        ({"consumer_timeout": 0}, ("consumer_timeout", "> 0 and <= 604800 seconds", "0")),
+        ({"consumer_timeout": True}, ("consumer_timeout", "finite number of seconds", "True")),
     ],
 )
 def test_queue_options_name_the_refused_value(options: dict[str, Any], parts: tuple[str, ...]) -> None:
