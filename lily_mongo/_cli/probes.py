@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import aiohttp
 from aiohttp import web
@@ -70,6 +70,13 @@ class Served(Protocol):
     def snapshot(self) -> Snapshot: ...
 
     async def wait(self) -> ShutdownReport: ...
+
+
+@runtime_checkable
+class Explained(Protocol):
+    """A served object that says why it is not ready (a :class:`~lily_mongo.ManagedConsumer`)."""
+
+    def not_ready_because(self) -> str | None: ...
 
 
 class MetricsCollector:
@@ -183,8 +190,10 @@ class ProbeServer:
         managed = self.managed
         if managed is not None and managed.ready:
             return web.Response(text="ready\n")
-        state = managed.state if managed is not None else "starting"
-        return web.Response(status=503, text=f"not ready: {state}\n")
+        reason = "starting" if managed is None else managed.state
+        if isinstance(managed, Explained):
+            reason = managed.not_ready_because() or reason
+        return web.Response(status=503, text=f"not ready: {reason}\n")
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         body = generate_latest(self._registry)

@@ -326,6 +326,16 @@ class AmqpIntake:
 
     def ready(self) -> bool:
         """True while every queue has its consumer, every consuming channel and the handoff channel is open."""
-        channels = [consumer.channel for consumer in self.consumers.values()] + [self.handoff_channel]
-        consuming = all(consumer.consumer_tag is not None for consumer in self.consumers.values())
-        return consuming and all(channel is not None and not channel.is_closed for channel in channels)
+        return self.waiting_for() is None
+
+    def waiting_for(self) -> str | None:
+        """What readiness waits for, in words (None when ready): the first queue without a consumer or
+        an open channel, or the handoff channel."""
+        for name, consumer in self.consumers.items():
+            if consumer.channel is None or consumer.channel.is_closed:
+                return f"the channel of queue {name} is not open"
+            if consumer.consumer_tag is None:
+                return f"queue {name} has no consumer"
+        if self.handoff_channel is None or self.handoff_channel.is_closed:
+            return "the handoff channel is not open"
+        return None

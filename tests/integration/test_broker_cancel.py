@@ -161,6 +161,11 @@ async def test_a_queue_the_consumer_does_not_declare_is_consumed_again_once_decl
         await eventually(lambda: readiness.statuses[-1] == 503, what="/readyz not ready")
         await asyncio.sleep(1.0)  # several tries to consume it, each refused
         assert readiness.statuses == [200, 503]
+        answer = await readiness.server._readyz(None)  # type: ignore[arg-type]  # the handler reads no request
+        assert answer.text in (
+            f"not ready: queue {q} has no consumer\n",
+            f"not ready: the channel of queue {q} is not open\n",
+        )
         assert await consumer_count(broker.connection, q) is None  # not declared by the consumer
         declared_at = time.monotonic()
         await declare_work_queue(broker.channel, options)
