@@ -486,12 +486,13 @@ async def child(config: dict[str, Any]) -> int:
 class EmbeddedServer:
     """``python -m lily_mongo.embedded`` on a free loopback port, for the whole benchmark."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, majority_latency_ms: float = 0) -> None:
         self.process: asyncio.subprocess.Process | None = None
+        self.flags = ["--majority-latency-ms", f"{majority_latency_ms:g}"] if majority_latency_ms else []
 
     async def start(self) -> str:
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "lily_mongo.embedded", "--port", "0", stdout=asyncio.subprocess.PIPE
+            sys.executable, "-m", "lily_mongo.embedded", "--port", "0", *self.flags, stdout=asyncio.subprocess.PIPE
         )
         assert self.process.stdout is not None
         line = (await asyncio.wait_for(self.process.stdout.readline(), timeout=60)).decode()

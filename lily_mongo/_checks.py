@@ -15,6 +15,7 @@ from typing import Any
 from yarl import URL
 
 from ._errors import ConfigError
+from ._nodes import MAX_NODES, NodeMismatch, join_nodes, split_nodes
 from ._redact import redact_url
 from ._text import describe_value
 from .bounds import utf8_len
@@ -56,14 +57,47 @@ def check_callable(field: str, value: object) -> Callable[..., Any]:
 
 
 def check_amqp_url(field: str, value: object) -> str:
-    """An ``amqp://`` or ``amqps://`` URL with a host, as aio-pika parses it; shown redacted when refused."""
+    """An ``amqp://`` or ``amqps://`` URL with a host, as aio-pika parses it; shown redacted when refused.
+
+    Several nodes of a cluster (docs/deployment.md, "Clusters") are either one URL with a
+    comma-separated host list (``amqp://u:p@h1:5672,h2:5672/vhost``) or a list of single-node
+    URLs that differ in their host and port only; both come back as the one URL with a host
+    list, which :func:`lily_mongo._nodes.split_nodes` cuts into the nodes tried in turn.
+    """
+    if isinstance(value, list | tuple):
+        if not 1 <= len(value) <= MAX_NODES:
+            raise ConfigError(f"{field} must list 1..{MAX_NODES} node URLs, got a list of {len(value)}")
+        urls = [check_amqp_url(f"{field}[{i}]", url) for i, url in enumerate(value)]
+        try:
+            joined = join_nodes(urls)
+        except NodeMismatch as exc:
+            raise ConfigError(
+                f"{field}[{exc.index}] must differ from {field}[0] in its host and port only (the same scheme, "
+                f"user, password, virtual host and options), got {redact_url(urls[exc.index])[:200]!r} "
+                f"after {redact_url(urls[0])[:200]!r}"
+            ) from None
+        return _check_one_url(field, joined)
+    return _check_one_url(field, value)
+
+
+def _check_one_url(field: str, value: object) -> str:
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"{field} must be an amqp:// or amqps:// URL, got {describe_value(value)}")
+        raise ConfigError(
+            f"{field} must be an amqp:// or amqps:// URL (or a list of them), got {describe_value(value)}"
+        )
     try:
-        url = URL(value)
-        valid = url.scheme in ("amqp", "amqps") and bool(url.host) and (url.port is None or url.port > 0)
-    except (ValueError, TypeError):
-        valid = False
+        nodes = split_nodes(value)
+    except ValueError:
+        nodes = ()
+    if len(nodes) > MAX_NODES:
+        raise ConfigError(f"{field} must name 1..{MAX_NODES} nodes, got {len(nodes)} in {redact_url(value)[:200]!r}")
+    valid = bool(nodes)
+    for node in nodes:
+        try:
+            url = URL(node)
+            valid = valid and url.scheme in ("amqp", "amqps") and bool(url.host) and (url.port is None or url.port > 0)
+        except (ValueError, TypeError):
+            valid = False
     if not valid or utf8_len(value) > 4096:
         raise ConfigError(f"{field} must be an amqp:// or amqps:// URL with a host, got {redact_url(value)[:200]!r}")
     return value

@@ -118,6 +118,12 @@ QUEUE_COUNTERS = (
     Metric("lily.inbox.reconciliations", "{reconciliation}", "Commit-result reconciliations.", "reconciliations"),
     Metric("lily.deferrals", "{deferral}", "Deferred deliveries (bounded requeues).", "deferrals"),
     Metric("lily.handoff.failures", "{failure}", "Retry or DLQ hand-off publishes that failed.", "handoff_failures"),
+    Metric(
+        "lily.consumer.cancels",
+        "{cancel}",
+        "Consumers the broker cancelled (a consumer timeout, a deleted queue), each consumed again.",
+        "broker_cancels",
+    ),
 )
 DELIVERIES = Metric("lily.deliveries", "{delivery}", "Deliveries by queue and terminal outcome.", "outcomes")
 QUEUE_GAUGES = (
@@ -146,7 +152,7 @@ OUTBOX_COUNTERS = (
         "outbox_blocked_seconds",
     ),
 )
-READY = Metric("lily.ready", "", "1 while the consumer runs with its channels open.")
+READY = Metric("lily.ready", "", "1 while the consumer runs with every queue consumed and its channels open.")
 TRANSPORT_GENERATION = Metric(
     "lily.transport.generation", "", "AMQP transport generation (1 + reconnects).", "transport_generation"
 )

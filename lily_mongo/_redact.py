@@ -13,6 +13,8 @@ import urllib.parse
 
 from yarl import URL
 
+from ._nodes import NodeList
+
 __all__ = ["redact_url", "scrub"]
 
 _MASK = "***"
@@ -31,6 +33,12 @@ def redact_url(url: str) -> str:
 
 
 def _redact_amqp(url: str) -> str:
+    if "," in url:
+        with contextlib.suppress(ValueError):
+            nodes = NodeList.parse(url)
+            if len(nodes.hosts) > 1:  # yarl refuses a host list: redact its first node's URL, keep the hosts
+                first = NodeList.parse(_redact_amqp(nodes.node(nodes.hosts[0])))
+                return first.node(",".join(nodes.hosts))
     try:
         parsed = URL(url)
     except (ValueError, TypeError):

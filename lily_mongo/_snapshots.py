@@ -109,6 +109,7 @@ class QueueCounters:
     abandoned: int = 0
     received: int = 0
     handoff_failures: int = 0  # retry/DLQ copies whose publish failed
+    broker_cancels: int = 0  # consumers of the queue the broker cancelled (basic.cancel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,8 @@ class QueueSnapshot:
     unresolved: int
     abandoned: int
     handoff_failures: int = 0
+    broker_cancels: int = 0
+    """Consumers of the queue the broker cancelled (a consumer timeout, a deleted queue); each consumed again."""
 
 
 @dataclass(frozen=True, slots=True)

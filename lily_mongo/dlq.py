@@ -28,7 +28,7 @@ put-back requeues the inspected message instead and stops with an error.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -38,7 +38,7 @@ from pamqp import commands as spec
 from yarl import URL
 
 from ._amqp import AmqpMessage, channel_errors, connect_amqp, publish_properties
-from ._checks import check_int, check_seconds
+from ._checks import check_amqp_url, check_int, check_seconds
 from ._errors import ConfigError, TransportError
 from ._headers import (
     BROKER_COUNT_HEADERS,
@@ -51,6 +51,7 @@ from ._headers import (
     FAILURE_REASON_HEADER,
     RETRY_COUNT_HEADER,
 )
+from ._nodes import split_nodes
 from ._plan.options import QueueOptions
 from ._text import describe_value, sanitize
 
@@ -210,11 +211,11 @@ def parse_event_ids(event_ids: Collection[str]) -> set[str]:
 class _Session:
     """One connection with a channel to read the DLQ and a confirming channel to publish on."""
 
-    def __init__(self, amqp_url: str, queue: str) -> None:
-        self.url = amqp_url
+    def __init__(self, amqp_url: str | Sequence[str], queue: str) -> None:
+        self.url = check_amqp_url("amqp_url", amqp_url)  # one URL for a cluster's nodes (docs/deployment.md)
         self.queue = queue
         self.dlq = QueueOptions(name=queue).dlq_name  # also checks the queue name's bounds
-        self.user = URL(amqp_url).user or "guest"
+        self.user = URL(split_nodes(self.url)[0]).user or "guest"
         self.connection: aio_pika.abc.AbstractConnection | None = None
         self.reader: aiormq.abc.AbstractChannel | None = None
         self.publisher: aiormq.abc.AbstractChannel | None = None
@@ -315,7 +316,7 @@ class _Session:
 
 
 async def list_dead_letters(
-    amqp_url: str, queue: str, *, limit: int = 100, confirm_timeout: float = 10.0
+    amqp_url: str | Sequence[str], queue: str, *, limit: int = 100, confirm_timeout: float = 10.0
 ) -> DlqListing:
     """Inspect up to ``limit`` messages of ``queue``'s DLQ, oldest first, putting each one back.
 
@@ -338,7 +339,7 @@ async def list_dead_letters(
 
 
 async def replay_dead_letters(
-    amqp_url: str,
+    amqp_url: str | Sequence[str],
     queue: str,
     *,
     event_ids: Collection[str] = (),

@@ -59,6 +59,7 @@ log = logging.getLogger("lily_mongo")
 TESTED_MONGOECO: Final = VersionRange("mongoeco", (4, 11, 0), (4, 12))
 DEFAULT_PORT: Final = 27017  # `lily-mongo embedded`: where a mongod would listen, so URIs need no change
 DATA_FILE: Final = "lily-embedded.sqlite3"  # the database file `--data DIR` keeps
+MAX_MAJORITY_LATENCY_MS: Final = 10_000  # `--majority-latency-ms` above 10 s models no replica set
 
 
 def available() -> bool:
@@ -72,10 +73,11 @@ class EmbeddedServer:
     Used by the pytest plugin (``lily_mongo.pytest_plugin``), the demo and the test suite.
     """
 
-    def __init__(self, *, as_shipped: bool = False, replica_set: bool = False) -> None:
+    def __init__(self, *, as_shipped: bool = False, replica_set: bool = False, majority_latency_ms: float = 0) -> None:
         self._process: subprocess.Popen[str] | None = None
         self._as_shipped = as_shipped  # mongoeco without the corrections (the comparisons of the tests)
         self._replica_set = replica_set  # hello as a replica set's primary
+        self._majority_latency_ms = majority_latency_ms  # a replica set's wait for the majority, modelled
         self.uri = ""
 
     def __enter__(self) -> EmbeddedServer:
@@ -92,6 +94,8 @@ class EmbeddedServer:
             command.append("--as-shipped")
         if self._replica_set:
             command.append("--replica-set")
+        if self._majority_latency_ms:
+            command += ["--majority-latency-ms", f"{self._majority_latency_ms:g}"]
         self._process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         assert self._process.stdout is not None
         line = self._process.stdout.readline()
@@ -184,13 +188,16 @@ async def serve(
     announce: Callable[[str], None] = _ready_line,
     as_shipped: bool = False,
     replica_set: bool = False,
+    majority_latency: float = 0.0,
 ) -> None:
     """Serve until ``stop`` is set (or forever); ``announce(uri)`` once listening (``READY <uri>`` on stdout).
 
     In memory, or with ``data`` (an existing directory) in mongoeco's SQLite engine, whose file
     (:data:`DATA_FILE`) keeps the data between runs. With ``as_shipped``, mongoeco without any
     correction; with ``replica_set``, ``hello`` answers as a replica set's primary
-    (docs/emulator.md). Made for a process of its own: the commit failpoint correction replaces
+    (docs/emulator.md); with ``majority_latency`` (seconds), every commit and majority write answers
+    that long after it applied, a replica set's wait for the majority (a model for benchmarks).
+    Made for a process of its own: the commit failpoint correction replaces
     a handler of mongoeco's for the whole process. Raises OSError when the address is taken or
     not this machine's.
     """
@@ -204,7 +211,9 @@ async def serve(
         _patch_commit_failpoints()
         from ._embedded.server import running
 
-        async with running(host, port, sqlite=engine, replica_set=replica_set) as server:
+        async with running(
+            host, port, sqlite=engine, replica_set=replica_set, majority_latency=majority_latency
+        ) as server:
             announce(server.address.uri)
             if ready is not None:
                 ready.set()
@@ -228,8 +237,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--replica-set", action="store_true", help="answer hello as a replica set's primary (set lily-embedded)"
     )
+    parser.add_argument(
+        "--majority-latency-ms",
+        type=float,
+        default=0.0,
+        help="answer every commit and majority write this many milliseconds after it applied (default 0)",
+    )
     parser.add_argument("--data", type=Path, help="keep the data in this existing directory (the SQLite engine)")
     args = parser.parse_args(argv)
+    if not 0 <= args.majority_latency_ms <= MAX_MAJORITY_LATENCY_MS:
+        parser.error(
+            f"--majority-latency-ms is {args.majority_latency_ms:g}; it must be between 0 and {MAX_MAJORITY_LATENCY_MS}"
+        )
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -237,7 +256,13 @@ def main(argv: list[str] | None = None) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await serve(
-            args.host, args.port, stop=stop, data=args.data, as_shipped=args.as_shipped, replica_set=args.replica_set
+            args.host,
+            args.port,
+            stop=stop,
+            data=args.data,
+            as_shipped=args.as_shipped,
+            replica_set=args.replica_set,
+            majority_latency=args.majority_latency_ms / 1000,
         )
 
     try:

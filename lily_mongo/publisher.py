@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self, TypedDict, TypeVar, Unpack
 
@@ -252,7 +252,7 @@ class Publisher(OpenClose, TypedPublishing):
 
     def __init__(
         self,
-        amqp_url: str | None = None,
+        amqp_url: str | Sequence[str] | None = None,
         *,
         channel: aio_pika.abc.AbstractChannel | None = None,
         confirm_timeout: float = 10.0,
@@ -261,7 +261,7 @@ class Publisher(OpenClose, TypedPublishing):
         if (amqp_url is None) == (channel is None):
             raise ConfigError("Publisher needs exactly one of amqp_url or channel")
         if amqp_url is not None:
-            check_amqp_url("amqp_url", amqp_url)
+            amqp_url = check_amqp_url("amqp_url", amqp_url)
         if channel is not None and not isinstance(channel, aio_pika.abc.AbstractChannel):
             raise ConfigError(f"channel must be an aio-pika channel, got {describe_value(channel)}")
         confirm_timeout = check_seconds("confirm_timeout", confirm_timeout, low=0, high=3600, low_inclusive=False)

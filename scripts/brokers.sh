@@ -11,6 +11,9 @@
 #   scripts/brokers.sh reset [BROKER...]   down, then forget the brokers' data (queues, cluster)
 #   scripts/brokers.sh ctl NODE ARGS...    rabbitmqctl ARGS on a node (r43, r40, c43-1, c43-2, c43-3),
 #                                          e.g. ctl r43 set_policy lily-timeout '^t\.' '{"consumer-timeout": 3000}'
+#   scripts/brokers.sh kill NODE           SIGKILL one node (a node loss: no clean shutdown)
+#   scripts/brokers.sh start NODE          start one node again and wait until it has booted
+#                                          (a cluster's node rejoins its cluster as it boots)
 #
 # The brokers (BROKER names), all on 127.0.0.1, user guest / guest:
 #
@@ -270,10 +273,13 @@ node_pid() {
   [[ -s $file ]] && cat "$file"
 }
 
-# A process that is this node's: its command line names the node (a stale pid file
-# may name a pid used by something else since).
+# A process that is this node's: its environment names the node (a stale pid file may
+# name a pid used by something else since; RabbitMQ 4.3's VM does not carry the node's
+# name on its command line). Not `tr | grep -q`: grep leaves early, tr dies of SIGPIPE,
+# and pipefail fails the pipeline although the name was found.
 is_node_process() {
-  [[ -n $1 && -r /proc/$1/cmdline ]] && tr '\0' ' ' <"/proc/$1/cmdline" | grep -q -- "$(node_name "$2")"
+  [[ -n $1 && -r /proc/$1/environ ]] &&
+    [[ $'\n'$({ tr '\0' '\n' <"/proc/$1/environ"; } 2>/dev/null)$'\n' == *$'\n'"RABBITMQ_NODENAME=$(node_name "$2")"$'\n'* ]]
 }
 
 node_alive() {
@@ -410,6 +416,36 @@ stop_node() {
     sleep 0.5
   done
   fail "$node: process $pid still runs 60 s after the stop"
+}
+
+# SIGKILL one node's Erlang VM, as a machine that dies would, and wait until its port is closed.
+kill_node() {
+  local node=$1 pid
+  pid=$(node_pid "$node") && is_node_process "$pid" "$node" || fail "kill: $node is not running"
+  kill -KILL "$pid"
+  local _
+  for _ in $(seq 1 100); do
+    if ! is_node_process "$pid" "$node" && ! amqp_version "$(node_port "$node")" >/dev/null; then
+      say "$node: killed (pid $pid, SIGKILL)"
+      return 0
+    fi
+    sleep 0.1
+  done
+  fail "$node: pid $pid still runs 10 s after SIGKILL"
+}
+
+# Start one node again (its broker's root mounted) and wait until it has booted.
+start_node() {
+  local node=$1 started
+  started=$(now)
+  if node_alive "$node"; then
+    say "$node: already running"
+    return 0
+  fi
+  mount_root "$(node_suite "$node")"
+  launch_node "$node"
+  await_node "$node"
+  say "$node: started in $(since "$started") s"
 }
 
 # -- the cluster --------------------------------------------------------------------------------
@@ -599,7 +635,7 @@ serialize() {
 command=${1:-}
 [[ $# -gt 0 ]] && shift
 case $command in
-  up | down | reset) serialize ;;
+  up | down | reset | start) serialize ;;
 esac
 case $command in
   up) check_broker_names "$@" && up "$@" ;;
@@ -608,6 +644,10 @@ case $command in
   status) status "$@" ;;
   running) running ;;
   build) build_roots "${BROKERS[@]}" ;;
+  kill | start)
+    [[ $# -eq 1 && -n $(node_port "$1") ]] || fail "$command: name one node (r43, r40, c43-1, c43-2, c43-3)"
+    if [[ $command == kill ]]; then kill_node "$1"; else start_node "$1"; fi
+    ;;
   ctl)
     [[ $# -ge 1 && -n $(node_port "$1") ]] || fail "ctl: name a node (r43, r40, c43-1, c43-2, c43-3)"
     node=$1
@@ -616,7 +656,7 @@ case $command in
     in_node "$node" rabbitmqctl -n "$(node_name "$node")" "$@"
     ;;
   *)
-    sed -n '2,13p' "$SCRIPT" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,16p' "$SCRIPT" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac

@@ -20,7 +20,7 @@ One module per concern, lowest first:
 from __future__ import annotations
 
 from .coalescer import AckCoalescer
-from .connections import LenientTransport, connect_amqp, frame_path
+from .connections import LenientTransport, connect_amqp, connected_node, frame_path
 from .errors import AMQP_ERRORS, AmqpFailure, amqp_failure, channel_errors, map_amqp_errors
 from .inbound import AmqpMessage
 from .lenient import MALFORMED_HEADER, LenientFrameReader
@@ -42,6 +42,7 @@ __all__ = [
     "basic_publish",
     "channel_errors",
     "connect_amqp",
+    "connected_node",
     "connection_unblocked",
     "encode_headers_table",
     "frame_path",

@@ -31,7 +31,14 @@ AMQP_HINT = "is it running? Check --amqp-url (or LILY_AMQP_URL)"
 MONGO_HINT = "is it running? Check --mongo-uri (or LILY_MONGO_URI)"
 
 
-AmqpOption = Annotated[str, typer.Option("--amqp-url", envvar="LILY_AMQP_URL", help="RabbitMQ URL.")]
+AmqpOption = Annotated[
+    str,
+    typer.Option(
+        "--amqp-url",
+        envvar="LILY_AMQP_URL",
+        help="RabbitMQ URL; a cluster's nodes as a comma-separated host list: amqp://u:p@h1:5672,h2:5672/vhost.",
+    ),
+]
 
 
 MongoOption = Annotated[str, typer.Option("--mongo-uri", envvar="LILY_MONGO_URI", help="MongoDB URI.")]

@@ -7,8 +7,9 @@ opens no HTTP port (docs/observability.md, section 3); only the command does, wh
 
 * ``GET /healthz``: 200 while the process is alive and the supervisor has not
   failed (503 once it ended with an error);
-* ``GET /readyz``: 200 only while the consumer runs with its channels open;
-  503 while starting, reconnecting, draining or stopped;
+* ``GET /readyz``: 200 only while the consumer runs with every queue consumed and
+  its channels open; 503 while starting, reconnecting, without a consumer on a queue
+  (the broker cancelled it), draining or stopped;
 * ``GET /metrics``: the snapshot's counters and gauges by queue (and outcome),
   and the duration histograms that telemetry keeps (when it is on).
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import aiohttp
 from aiohttp import web
@@ -69,6 +70,13 @@ class Served(Protocol):
     def snapshot(self) -> Snapshot: ...
 
     async def wait(self) -> ShutdownReport: ...
+
+
+@runtime_checkable
+class Explained(Protocol):
+    """A served object that says why it is not ready (a :class:`~lily_mongo.ManagedConsumer`)."""
+
+    def not_ready_because(self) -> str | None: ...
 
 
 class MetricsCollector:
@@ -181,8 +189,10 @@ class ProbeServer:
         managed = self.managed
         if managed is not None and managed.ready:
             return web.Response(text="ready\n")
-        state = managed.state if managed is not None else "starting"
-        return web.Response(status=503, text=f"not ready: {state}\n")
+        reason = "starting" if managed is None else managed.state
+        if isinstance(managed, Explained):
+            reason = managed.not_ready_because() or reason
+        return web.Response(status=503, text=f"not ready: {reason}\n")
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         body = generate_latest(self._registry)

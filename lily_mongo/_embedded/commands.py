@@ -16,12 +16,20 @@ uses them (docs/emulator.md):
 * ``startTransaction`` on a session whose transaction is still open aborts that
   one first (MongoDB's rule for a new transaction number; mongoeco would carry the
   old transaction's writes into the new one);
+* ``killSessions`` aborts the named sessions' open transactions at once (their
+  documents released, their next command refused), as MongoDB's does for a
+  transaction that is not prepared; mongoeco does not know the command;
 * ``getParameter`` / ``setParameter`` (:mod:`.parameters`), ``hello``
-  (:mod:`.handshake`) and retryable writes (:mod:`.retries`).
+  (:mod:`.handshake`) and retryable writes (:mod:`.retries`);
+* on request (``majority_latency``), a replica set's wait for the majority: a
+  commit, and a write outside a transaction acknowledged by more than the primary
+  (MongoDB's default write concern is the majority), answers that many seconds
+  after it applied. Off by default: a model for benchmarks, not a deviation fixed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,11 +46,15 @@ from .locks import command_deadline
 from .retries import RetryableWrites
 from .transactions import TransactionBook
 
-__all__ = ["LilyCommandExecutor", "LilySessionStore"]
+__all__ = ["COMMANDS", "LilyCommandExecutor", "LilySessionStore"]
+
+KILL_SESSIONS = "killSessions"
+COMMANDS = (*parameters.COMMANDS, KILL_SESSIONS)  # the commands this layer answers that mongoeco does not
 
 _UNKNOWN_COMMIT = "UnknownTransactionCommitResult"
 # The SQLite engine's answer to a second concurrent transaction (docs/emulator.md, "The SQLite engine").
 _ENGINE_BUSY = "already has an active transaction"
+_WRITES = frozenset({"insert", "update", "delete", "findAndModify"})
 
 
 class LilySessionStore(WireSessionStore):
@@ -93,6 +105,22 @@ class LilySessionStore(WireSessionStore):
                 self._book.end(context.session.session_id)
         return reply
 
+    def kill_sessions(self, session_specs: object, book: TransactionBook) -> dict[str, Any]:
+        """``killSessions``: abort each named session's open transaction (an empty list names none here:
+        MongoDB's would kill every session of the user, which no client of this server asks for)."""
+        if not isinstance(session_specs, list):
+            raise OperationFailure("killSessions must be a list", code=14, details={"codeName": "TypeMismatch"})
+        for spec in session_specs:
+            context = self._sessions.get(wire_session_key(spec))
+            if context is None:
+                continue
+            transaction = book.get(context.session.session_id)
+            if transaction is not None:
+                book.abort(transaction, "its session was killed (killSessions)")
+            if (transaction is None or not transaction.running) and context.session.transaction_active:
+                context.session.abort_transaction()
+        return {"ok": 1.0}
+
 
 class LilyCommandExecutor(WireCommandExecutor):
     """mongoeco's command executor with the rules of the module docstring."""
@@ -107,9 +135,11 @@ class LilyCommandExecutor(WireCommandExecutor):
         auth: Any,
         book: TransactionBook,
         member: Callable[[Any], str] | None,
+        majority_latency: float = 0.0,
     ) -> None:
         super().__init__(client, cursor_store, session_store, surface=surface, auth=auth)
         self._book = book
+        self._majority_latency = majority_latency
         if member is not None:  # hello as a replica set's primary (.handshake)
             self._handlers = ReplicaSetHandlers(
                 client=client,
@@ -120,6 +150,7 @@ class LilyCommandExecutor(WireCommandExecutor):
                 member=member,
             )
         self._auth_service = auth
+        self._sessions = session_store
         self._writes = RetryableWrites()
 
     async def execute_prepared(self, context: Any) -> dict[str, Any]:
@@ -127,6 +158,9 @@ class LilyCommandExecutor(WireCommandExecutor):
         if name in parameters.COMMANDS:
             self._auth_service.require_authenticated(context.connection, name)
             return parameters.answer(context, self._book)
+        if name == KILL_SESSIONS:
+            self._auth_service.require_authenticated(context.connection, name)
+            return self._sessions.kill_sessions(context.command_document[name], self._book)
         session = context.session
         transaction = None
         if session is not None and context.raw_body.get("autocommit") is False:
@@ -145,6 +179,10 @@ class LilyCommandExecutor(WireCommandExecutor):
             if transaction is not None and reply.get("writeErrors"):
                 # Inside a transaction MongoDB answers a write error as the command's error, and aborts.
                 self._abort(session, f"its {name} failed with a write error")
+            if self._majority_latency > 0 and waits_for_majority(
+                name, context.raw_body, in_transaction=transaction is not None
+            ):
+                await asyncio.sleep(self._majority_latency)
             return reply
         except Exception as exc:
             if transaction is not None and name != "abortTransaction":
@@ -176,6 +214,19 @@ class LilyCommandExecutor(WireCommandExecutor):
         except Held:  # a held document met on a path the engine does not wait on: MongoDB's answer there
             raise write_conflict("the document is held by a transaction") from None
         return result
+
+
+def waits_for_majority(name: str, body: dict[str, Any], *, in_transaction: bool) -> bool:
+    """Whether a replica set's primary would answer ``name`` only once a majority has it: a commit, or
+    a write outside a transaction whose write concern asks more than the primary (``w`` absent: the
+    default, the majority)."""
+    if name == "commitTransaction":
+        return True
+    if name not in _WRITES or in_transaction:
+        return False
+    concern = body.get("writeConcern")
+    w = concern.get("w") if isinstance(concern, dict) else None
+    return not (isinstance(w, int) and not isinstance(w, bool) and w <= 1)
 
 
 def _ends_transaction(error: OperationFailure) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Final
 from mongoeco.wire import AsyncMongoEcoProxyServer
 from mongoeco.wire.surface import WIRE_SUPPORTED_COMMANDS, WireSurface
 
-from . import parameters
+from . import commands
 from .commands import LilyCommandExecutor, LilySessionStore
 from .engine import LilyMemoryEngine
 from .transactions import TransactionBook
@@ -34,11 +34,20 @@ REAP_EVERY: Final = 0.5  # seconds between two passes of the reaper (MongoDB's r
 class CorrectedServer(AsyncMongoEcoProxyServer):  # type: ignore[misc]  # mongoeco.wire re-exports it untyped
     """mongoeco's wire server with the wire layer of :mod:`.commands` and ``hello`` as a replica set's."""
 
-    def __init__(self, *, engine: Any, host: str, port: int, book: TransactionBook, replica_set: bool) -> None:
+    def __init__(
+        self,
+        *,
+        engine: Any,
+        host: str,
+        port: int,
+        book: TransactionBook,
+        replica_set: bool,
+        majority_latency: float = 0.0,
+    ) -> None:
         super().__init__(engine=engine, host=host, port=port)
         self.book = book
         self._local: dict[tuple[str, int], str] = {}  # a client's address -> the address it reached
-        self._surface = WireSurface(supported_commands=(*WIRE_SUPPORTED_COMMANDS, *parameters.COMMANDS))
+        self._surface = WireSurface(supported_commands=(*WIRE_SUPPORTED_COMMANDS, *commands.COMMANDS))
         self._session_store = LilySessionStore(book)
         self._executor = LilyCommandExecutor(
             self._client,
@@ -48,6 +57,7 @@ class CorrectedServer(AsyncMongoEcoProxyServer):  # type: ignore[misc]  # mongoe
             auth=self._auth,
             book=book,
             member=self._member if replica_set else None,
+            majority_latency=majority_latency,
         )
 
     async def _handle_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -107,13 +117,17 @@ async def _reaper(book: TransactionBook) -> None:
 
 @contextlib.asynccontextmanager
 async def running(
-    host: str, port: int, *, sqlite: Any = None, replica_set: bool = False
+    host: str, port: int, *, sqlite: Any = None, replica_set: bool = False, majority_latency: float = 0.0
 ) -> AsyncIterator[CorrectedServer]:
     """A corrected server listening on ``host``:``port`` (``sqlite``: that engine instead of the memory
-    one; ``replica_set``: ``hello`` as a replica set's primary, :mod:`.handshake`)."""
+    one; ``replica_set``: ``hello`` as a replica set's primary, :mod:`.handshake`; ``majority_latency``:
+    seconds a commit or a majority write waits before its reply, :mod:`.commands`)."""
     book = TransactionBook()
     engine = sqlite if sqlite is not None else LilyMemoryEngine(book)
-    async with CorrectedServer(engine=engine, host=host, port=port, book=book, replica_set=replica_set) as server:
+    server_made = CorrectedServer(
+        engine=engine, host=host, port=port, book=book, replica_set=replica_set, majority_latency=majority_latency
+    )
+    async with server_made as server:
         reaper = asyncio.create_task(_reaper(book), name="lily-embedded-reaper")
         try:
             yield server

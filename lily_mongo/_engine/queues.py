@@ -47,4 +47,5 @@ class QueueState:
             unresolved=c.unresolved,
             abandoned=c.abandoned,
             handoff_failures=c.handoff_failures,
+            broker_cancels=c.broker_cancels,
         )

@@ -111,8 +111,12 @@ class Wiring:
         await intake.start(self.engine)
 
     def ready(self) -> bool:
-        """True while every consuming channel and the handoff channel is open."""
-        return self.intake is not None and self.intake.channels_open()
+        """True while every queue has its consumer, every consuming channel and the handoff channel is open."""
+        return self.intake is not None and self.intake.ready()
+
+    def waiting_for(self) -> str | None:
+        """What readiness waits for, in words (None when ready; :meth:`AmqpIntake.waiting_for`)."""
+        return "the broker connection" if self.intake is None else self.intake.waiting_for()
 
     def open_in_process(self, tasks: TaskSet, outbox_send: Send | None = None) -> None:
         """Accept deliveries through :meth:`Engine.deliver` (no AMQP). With ``outbox_send``, committed

@@ -68,6 +68,13 @@ class Deferral(Exception):
         self.result = result
 
 
+def operation_failed(exc: PyMongoError, where: str) -> Exception:
+    """The exception an operation's database error turns into: a replay, or a deferral verdict."""
+    if transaction_rules.classify_error(error_labels(exc), in_commit=False) is transaction_rules.ErrorStep.REPLAY:
+        return Replay(f"{type(exc).__name__} in {where} (TransientTransactionError)")
+    return Deferral(PipelineResult(Outcome.DEFERRED, ErrorCode.MONGO_ERROR, f"{type(exc).__name__}: {exc}"[:300]))
+
+
 class Attempts:
     """Runs a delivery's attempts in transactions; one per inbox."""
 
@@ -172,7 +179,7 @@ class Attempts:
                         raise _Contended from None  # not confirmed: the lease claim decides
                     return _DUPLICATE
                 if found is FirstClaim.CONTENDED:
-                    await self._abort(session)
+                    await self._store.abort(session)
                     raise _Contended
             else:
                 bound = in_time(lease)
@@ -184,12 +191,12 @@ class Attempts:
                             session=session,
                         )
                 except PyMongoError as exc:
-                    await self._abort(session)
+                    await self._store.abort(session)
                     if timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
                         raise Deferral(store.claim_failed(exc, bound)) from exc
-                    raise self._failed(exc, "the completion write") from exc
+                    raise operation_failed(exc, "the completion write") from exc
                 if done.matched_count == 0:
-                    await self._abort(session)
+                    await self._store.abort(session)
                     return PipelineResult(Outcome.DEFERRED, ErrorCode.LEASE_LOST, "the lease was taken over")
             scope: MongoScope | None = None
             outbox = self._outbox.writer(session, route.handler_id, lambda: scope is not None and scope.is_open)
@@ -197,15 +204,15 @@ class Attempts:
             try:
                 result = await invoke(execution.attempts, scope, payload)
             except PyMongoError as exc:  # only what passthrough() let through: labelled transient
-                await self._abort(session)
-                failure = self._failed(exc, "the handler")
+                await self._store.abort(session)
+                failure = operation_failed(exc, "the handler")
                 if isinstance(failure, Replay):
                     failure.handler_error = exc  # shown by the failure log if the budget runs out
                 raise failure from exc
             finally:
                 scope.close()
             if result.outcome is not Outcome.SUCCESS:
-                await self._abort(session)
+                await self._store.abort(session)
                 return result
             result = await self._observer.inbox_commit(self._commit(session, lease, execution))
             if result is _SUCCESS and outbox.written:
@@ -239,24 +246,14 @@ class Attempts:
             return FirstClaim.CONTENDED  # inserted meanwhile by someone else: the lease claim decides
         except PyMongoError as exc:
             if timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
-                await self._abort(session)
+                await self._store.abort(session)
                 raise Deferral(store.claim_failed(exc, bound)) from exc
             if first_claim.first_claim_falls_back(error_labels(exc)):
-                await self._abort(session)
+                await self._store.abort(session)
                 return FirstClaim.CONTENDED
-            await self._abort(session)
-            raise self._failed(exc, "the claim in the transaction") from exc
+            await self._store.abort(session)
+            raise operation_failed(exc, "the claim in the transaction") from exc
         return first_claim.read_first_claim(before)
-
-    @staticmethod
-    def _failed(exc: PyMongoError, where: str) -> Exception:
-        """The exception an operation's database error turns into: a replay, or a deferral verdict."""
-        if transaction_rules.classify_error(error_labels(exc), in_commit=False) is transaction_rules.ErrorStep.REPLAY:
-            return Replay(f"{type(exc).__name__} in {where} (TransientTransactionError)")
-        return Deferral(PipelineResult(Outcome.DEFERRED, ErrorCode.MONGO_ERROR, f"{type(exc).__name__}: {exc}"[:300]))
-
-    async def _abort(self, session: AsyncClientSession) -> None:
-        await transaction.abort_quietly(session, self._store.options.max_wait_seconds)
 
     async def _commit(self, session: AsyncClientSession, lease: Lease, execution: Execution) -> PipelineResult:
         """Commit; on an unknown result retry the same commit, then read the record (two separate loops).

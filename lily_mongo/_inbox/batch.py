@@ -32,8 +32,8 @@ import pymongo
 from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 
 from .._errors import ErrorCode
-from .._mongo import error_labels, timed_out
 from .._mongo import rules as transaction_rules
+from .._mongo import timed_out
 from .._mongo import transactions as transaction
 from .._mongo.transactions import Replay
 from .._observer import Observer
@@ -41,7 +41,7 @@ from .._outbox import ProcessOutbox
 from .._plan.batch import Batch, BatchEntry
 from .._verdicts import Outcome, PipelineResult
 from . import batch_claim, protocol
-from .attempts import Deferral
+from .attempts import Deferral, operation_failed
 from .batch_claim import Found
 from .lease import Lease, LeaseDeadline, in_time, now, share
 from .protocol import Reconciled
@@ -189,7 +189,7 @@ class BatchAttempts:
                 if run.verdicts:  # duplicates only: a majority commit confirms the snapshot that showed them
                     await self._commit(session, keys, [], lease, run)
                 else:
-                    await self._abort(session)
+                    await self._store.abort(session)
                 return run
             await self._claim(session, route, [(keys[i], str(entries[i].event_id)) for i in claimed], lease)
             batch = Batch([self._fresh(route, entries[i], run.attempts) for i in claimed])
@@ -198,14 +198,14 @@ class BatchAttempts:
             try:
                 result = await invoke(run.attempts, scope, batch)
             except PyMongoError as exc:  # only what passthrough() let through: labelled transient
-                await self._abort(session)
+                await self._store.abort(session)
                 replay = Replay(f"{type(exc).__name__} in the batch handler (TransientTransactionError)")
                 replay.handler_error = exc
                 raise replay from exc
             finally:
                 scope.close()
             if result.outcome is not Outcome.SUCCESS:
-                await self._abort(session)
+                await self._store.abort(session)
                 run.failure = result
                 run.unconfirmed = [i for i, verdict in run.verdicts.items() if verdict is _DUPLICATE]
                 for i in run.unconfirmed:
@@ -244,7 +244,7 @@ class BatchAttempts:
                     {"_id": {"$in": keys}}, projection={"state": 1}, session=session
                 ).to_list()
         except PyMongoError as exc:
-            await self._abort(session)
+            await self._store.abort(session)
             raise self._before_handler(exc, bound, "the batch's record read") from exc
         return batch_claim.by_key(found)
 
@@ -265,13 +265,13 @@ class BatchAttempts:
             with pymongo.timeout(bound):
                 await store.records.insert_many(records, session=session)
         except (DuplicateKeyError, BulkWriteError) as exc:
-            await self._abort(session)
+            await self._store.abort(session)
             if isinstance(exc, DuplicateKeyError) or _duplicate_key(exc):
                 # Committed after the snapshot by another delivery: the replay's snapshot finds it.
                 raise Replay("a record of the batch was committed after its snapshot (DuplicateKey)") from exc
             raise self._before_handler(exc, bound, "the batch's claim") from exc
         except PyMongoError as exc:
-            await self._abort(session)
+            await self._store.abort(session)
             raise self._before_handler(exc, bound, "the batch's claim") from exc
 
     async def _unclaim(self, session: AsyncClientSession, keys: list[str], lease: Lease) -> None:
@@ -280,22 +280,13 @@ class BatchAttempts:
             with pymongo.timeout(share(lease, self._rules.commit_retries + 3)):
                 await self._store.records.delete_many({"_id": {"$in": keys}}, session=session)
         except PyMongoError as exc:
-            await self._abort(session)
-            raise self._failed(exc, "the failed entries' release") from exc
+            await self._store.abort(session)
+            raise operation_failed(exc, "the failed entries' release") from exc
 
     def _before_handler(self, exc: PyMongoError, bound: float, where: str) -> Exception:
         if timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
             return Deferral(self._store.claim_failed(exc, bound))
-        return self._failed(exc, where)
-
-    @staticmethod
-    def _failed(exc: PyMongoError, where: str) -> Exception:
-        if transaction_rules.classify_error(error_labels(exc), in_commit=False) is transaction_rules.ErrorStep.REPLAY:
-            return Replay(f"{type(exc).__name__} in {where} (TransientTransactionError)")
-        return Deferral(PipelineResult(Outcome.DEFERRED, ErrorCode.MONGO_ERROR, f"{type(exc).__name__}: {exc}"[:300]))
-
-    async def _abort(self, session: AsyncClientSession) -> None:
-        await transaction.abort_quietly(session, self._store.options.max_wait_seconds)
+        return operation_failed(exc, where)
 
     async def _commit(
         self, session: AsyncClientSession, keys: list[str], committing: list[int], lease: Lease, run: BatchRun

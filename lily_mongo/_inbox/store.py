@@ -30,6 +30,7 @@ from .._mongo import (
     wait_expired,
     write_unconfirmed,
 )
+from .._mongo import transactions as transaction
 from .._mongo.transactions import majority_reads
 from .._verdicts import Outcome, PipelineResult
 from . import protocol
@@ -38,6 +39,7 @@ from .options import InboxOptions
 
 if TYPE_CHECKING:
     from pymongo import AsyncMongoClient
+    from pymongo.asynchronous.client_session import AsyncClientSession
 
 __all__ = ["RecordStore"]
 
@@ -158,6 +160,10 @@ class RecordStore:
                 assert record is not None
                 return protocol.read_claim(record, owner)
         raise DuplicateKeyError("the inbox claim kept colliding on upsert")  # pragma: no cover - the caller defers
+
+    async def abort(self, session: AsyncClientSession) -> None:
+        """Abort ``session``'s transaction, within the bounded wait, whatever the server answers."""
+        await transaction.abort_quietly(session, self.options.max_wait_seconds)
 
     @staticmethod
     def claim_failed(exc: PyMongoError, wait: float) -> PipelineResult:

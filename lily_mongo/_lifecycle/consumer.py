@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
 from pymongo import AsyncMongoClient
@@ -50,6 +50,7 @@ class QueueSettings(TypedDict, total=False):
     passive: bool
     unknown_errors: Literal["retryable", "permanent"]
     ack_delay: float
+    consumer_timeout: float | None
 
 
 class Consumer:
@@ -73,7 +74,7 @@ class Consumer:
     def __init__(
         self,
         *,
-        amqp_url: str,
+        amqp_url: str | Sequence[str],
         name: str,
         mongo_client: AsyncMongoClient[Any] | None = None,
         database: str | None = None,
@@ -87,7 +88,7 @@ class Consumer:
         mongo_check_timeout: float = 10.0,
         outbox: OutboxOptions | None = None,
     ) -> None:
-        check_amqp_url("amqp_url", amqp_url)
+        amqp_url = check_amqp_url("amqp_url", amqp_url)
         if lifespan is not None and not callable(lifespan):
             raise ConfigError(
                 "lifespan must be a function of the consumer returning an async context manager "

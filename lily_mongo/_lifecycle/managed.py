@@ -93,10 +93,18 @@ class ManagedConsumer:
 
     @property
     def ready(self) -> bool:
-        """True while running with every consuming channel and the handoff channel open
-        (False while starting, reconnecting, draining or stopped): a readiness probe."""
+        """True while running with every queue consumed and every consuming channel and the handoff channel
+        open (False while starting, reconnecting, consuming a queue again after the broker cancelled its
+        consumer, draining or stopped): a readiness probe."""
+        return self.not_ready_because() is None
+
+    def not_ready_because(self) -> str | None:
+        """Why :attr:`ready` is False, in words (the state, or what a running consumer waits for), or None."""
+        state: State = self._lifecycle.state
+        if state is not State.RUNNING:
+            return str(state.value)
         wiring = self._wiring
-        return self._lifecycle.state is State.RUNNING and wiring is not None and wiring.ready()
+        return "starting" if wiring is None else wiring.waiting_for()
 
     @property
     def telemetry(self) -> Telemetry | None:

@@ -112,7 +112,7 @@ async def commit(session: AsyncClientSession, bound: float | None) -> PyMongoErr
         return None
     except PyMongoError as exc:
         if rules.classify_error(error_labels(exc), in_commit=True) is ErrorStep.REPLAY:
-            discard_server_session(session)  # not committed (MongoDB aborts it): replay
+            discard_server_session(session, end_on_server=False)  # not committed (MongoDB aborted it): replay
             raise Replay(f"commit failed: {type(exc).__name__}") from exc
         return exc
 
@@ -162,10 +162,18 @@ async def read_backs(majority: AsyncCollection[Any], keys: list[Any], bound: flo
 
 
 async def abort_quietly(session: AsyncClientSession, bound: float | None) -> None:
-    """Abort the session's transaction, if open; an abort that fails drops the server session instead."""
+    """Abort the session's transaction, if open; an abort that fails drops the server session instead.
+
+    PyMongo ignores a failed ``abortTransaction`` (the transactions specification says to), but a
+    network error marks its server session dirty: then the transaction may still be open on the
+    server, and the session is discarded and ended there too (:func:`discard_server_session`).
+    """
     if session.in_transaction:
         try:
             with pymongo.timeout(bound):
                 await session.abort_transaction()
         except PyMongoError:
+            discard_server_session(session)
+            return
+        if getattr(getattr(session, "_server_session", None), "dirty", False) is True:
             discard_server_session(session)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pymongo import AsyncMongoClient
@@ -57,7 +57,7 @@ class Relay:
         mongo_client: AsyncMongoClient[Any],
         database: str,
         *,
-        amqp_url: str,
+        amqp_url: str | Sequence[str],
         options: OutboxOptions | None = None,
         name: str = "lily-relay",
         confirm_timeout: float = 10.0,
@@ -69,7 +69,7 @@ class Relay:
         if not isinstance(mongo_client, AsyncMongoClient):
             raise ConfigError(f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}")
         check_database_name("database", database)
-        check_amqp_url("amqp_url", amqp_url)
+        amqp_url = check_amqp_url("amqp_url", amqp_url)
         options = standalone_options(options, name)
         self._client = mongo_client
         self._url = amqp_url

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from pymongo import AsyncMongoClient
@@ -79,7 +79,7 @@ class Outbox(OpenClose):
         mongo_client: AsyncMongoClient[Any],
         database: str,
         *,
-        amqp_url: str | None = None,
+        amqp_url: str | Sequence[str] | None = None,
         options: OutboxOptions | None = None,
         name: str = "outbox",
         confirm_timeout: float = 10.0,
@@ -89,7 +89,7 @@ class Outbox(OpenClose):
             raise ConfigError(f"mongo_client must be a pymongo.AsyncMongoClient, got {describe_value(mongo_client)}")
         check_database_name("database", database)
         if amqp_url is not None:
-            check_amqp_url("amqp_url", amqp_url)
+            amqp_url = check_amqp_url("amqp_url", amqp_url)
         options = standalone_options(options, name)
         self._client = mongo_client
         self._database = mongo_client[database]

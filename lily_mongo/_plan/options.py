@@ -12,7 +12,15 @@ from .._errors import ConfigError
 from .._text import describe_value
 from ..bounds import BOUNDS, utf8_len
 
-__all__ = ["QueueOptions", "QueueType", "RetryPolicy", "check_name"]
+__all__ = [
+    "BROKER_DEFAULT_CONSUMER_TIMEOUT",
+    "QueueOptions",
+    "QueueType",
+    "RetryPolicy",
+    "check_name",
+    "consumer_timeout_warning",
+    "longest_unacked",
+]
 
 
 QueueType = Literal["classic", "quorum"]
@@ -23,6 +31,8 @@ LONGEST_SUFFIX = max(len(f".retry.{BOUNDS.retry_buckets_per_queue - 1}"), len(".
 
 
 _MAX_DELAY_SECONDS = 7 * 24 * 3600.0
+BROKER_DEFAULT_CONSUMER_TIMEOUT = 1800.0
+"""RabbitMQ's ``consumer_timeout`` when neither the node's configuration, a policy nor an argument sets one."""
 
 
 def _check_seconds(field_name: str, value: object, *, low: float = 0.0, high: float = _MAX_DELAY_SECONDS) -> float:
@@ -101,6 +111,7 @@ class QueueOptions:
     passive: bool = False
     unknown_errors: Literal["retryable", "permanent"] = "retryable"
     ack_delay: float = 0.001
+    consumer_timeout: float | None = None
 
     def __post_init__(self) -> None:
         where = f"queue {self.name!r:.60}"
@@ -126,6 +137,8 @@ class QueueOptions:
         if not isinstance(self.passive, bool):
             raise ConfigError(f"{where}: passive must be True or False, got {describe_value(self.passive)}")
         check_seconds(f"{where}: ack_delay", self.ack_delay, low=0.0, high=BOUNDS.ack_delay_max)
+        if self.consumer_timeout is not None:
+            _check_seconds(f"{where}: consumer_timeout", self.consumer_timeout)
 
     @property
     def effective_prefetch(self) -> int:
@@ -139,3 +152,47 @@ class QueueOptions:
     @property
     def dlq_name(self) -> str:
         return f"{self.name}.dlq"
+
+
+def longest_unacked(options: QueueOptions, settlement: float) -> float:
+    """The longest a delivery of the queue may stay unacknowledged, in seconds (docs/deployment.md).
+
+    It waits in the prefetch buffer while the deliveries ahead of it take every permit,
+    each for up to its deadline and cooperation window; then it runs as long itself; then
+    it settles, for up to ``settlement`` seconds (a handoff's confirm, the pause before a requeue).
+    """
+    turn = options.deadline + options.cooperation_window
+    waiting = max(options.effective_prefetch - options.concurrency, 0)
+    turns_before = -(-waiting // options.concurrency)
+    return (turns_before + 1) * turn + settlement
+
+
+def consumer_timeout_warning(options: QueueOptions, settlement: float) -> str | None:
+    """What a consumer says at start when a delivery of the queue could stay unacknowledged past the
+    broker's consumer timeout; None when it cannot.
+
+    Against ``options.consumer_timeout`` (the timeout the broker applies to the queue, as the
+    operator configured it) the whole wait counts, the prefetch buffer's included. When it is
+    not set the timeout is not known: only a delivery's own run and settlement are held against
+    RabbitMQ's default, so a long backlog behind few permits does not warn on every start.
+    """
+    timeout = options.consumer_timeout
+    if timeout is None:
+        timeout, source = BROKER_DEFAULT_CONSUMER_TIMEOUT, "RabbitMQ's default (consumer_timeout not set)"
+        longest = options.deadline + options.cooperation_window + settlement
+        what = f"deadline={options.deadline:g} s with cooperation_window={options.cooperation_window:g} s, settlement"
+    else:
+        source = "consumer_timeout"
+        longest = longest_unacked(options, settlement)
+        what = (
+            f"the prefetch buffer's wait behind concurrency={options.concurrency}, deadline={options.deadline:g} s "
+            f"with cooperation_window={options.cooperation_window:g} s, settlement"
+        )
+    if longest <= timeout:
+        return None
+    return (
+        f"queue {options.name!r:.80}: a delivery may stay unacknowledged up to {longest:.0f} s ({what}), past the "
+        f"broker's consumer timeout of {timeout:g} s, {source}: the broker then cancels the consumer (or closes "
+        "its channel) and redelivers; lower prefetch, buffer or the deadline, or raise the timeout "
+        "(docs/deployment.md)"
+    )

@@ -19,17 +19,13 @@ from typing import Any
 import aio_pika
 import pydantic
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from pymongo import AsyncMongoClient
 
 from lily_mongo import (
     Batch,
     BatchOptions,
+    Consumer,
     Json,
     MongoScope,
     Publisher,
@@ -39,7 +35,7 @@ from lily_mongo import (
 )
 from lily_mongo.telemetry import Telemetry
 from lily_mongo.testing import Faults
-from tests.integration.test_telemetry import Sdk, metric_points, spans_of
+from tests.integration.test_telemetry import Sdk, in_memory_sdk, metric_points, spans_of
 from tests.support.broker import Broker
 from tests.support.consumers import running
 from tests.support.mongo import CommandLog, MongoDB
@@ -52,29 +48,10 @@ EFFECTS = "effects"
 
 
 class Reading(pydantic.BaseModel):
+    """Reading ``n``; a ``poison`` one raises in the handler (``"raise"``) or is failed alone (``"fail"``)."""
+
     n: int
     poison: str | None = None
-
-
-def ingest_handler(q: str, handler_id: str, calls: list[int], *, max_size: int, max_wait: float = 0.05) -> Any:
-    """A batch handler writing one effect per entry with one insert_many; a poison entry either raises (no entry
-    named: bisected) or is failed alone with items.fail."""
-
-    @queue(q, version=1, handler_id=handler_id, batch=BatchOptions(max_size=max_size, max_wait=max_wait))
-    async def ingest(items: Batch[Json[Reading]], mongo: MongoScope) -> None:
-        calls.append(len(items))
-        for entry in items:
-            if entry.body.poison == "raise":
-                raise ValueError(f"reading {entry.body.n} cannot be stored")
-            if entry.body.poison == "fail":
-                items.fail(entry, QueueHandlerError.permanent("READING_INVALID", f"reading {entry.body.n}"))
-        kept = [entry for entry in items if items.failure_of(entry) is None]
-        if kept:
-            await mongo.database[EFFECTS].insert_many(
-                [{"event_id": str(entry.event_id), "n": entry.body.n} for entry in kept], session=mongo.session
-            )
-
-    return ingest
 
 
 async def effects_per_event(mongodb: MongoDB) -> collections.Counter[str]:
@@ -107,11 +84,43 @@ async def redeliver(broker: Broker, q: str, count: int) -> int:
     return len(taken)
 
 
+def batch_consumer(
+    broker: Broker,
+    mongodb: MongoDB,
+    q: str,
+    calls: list[int],
+    *,
+    name: str,
+    max_size: int,
+    max_wait: float,
+    prefetch: int,
+    **options: Any,
+) -> Consumer:
+    """A consumer of ``q``, one permit, whose batch handler (``<q>/ingest``) notes each call's size in ``calls``
+    and writes one effect per entry with one insert_many; a poison entry either raises (no entry named: bisected)
+    or is failed alone with items.fail."""
+
+    @queue(q, version=1, handler_id=f"{q}/ingest", batch=BatchOptions(max_size=max_size, max_wait=max_wait))
+    async def ingest(items: Batch[Json[Reading]], mongo: MongoScope) -> None:
+        calls.append(len(items))
+        for entry in items:
+            if entry.body.poison == "raise":
+                raise ValueError(f"reading {entry.body.n} cannot be stored")
+            if entry.body.poison == "fail":
+                items.fail(entry, QueueHandlerError.permanent("READING_INVALID", f"reading {entry.body.n}"))
+        kept = [entry for entry in items if items.failure_of(entry) is None]
+        if kept:
+            await mongo.database[EFFECTS].insert_many(
+                [{"event_id": str(entry.event_id), "n": entry.body.n} for entry in kept], session=mongo.session
+            )
+
+    return broker.consumer(q, ingest, name=name, mongodb=mongodb, concurrency=1, prefetch=prefetch, **options)
+
+
 async def test_a_thousand_events_with_duplicates_and_poison_each_end_on_their_own(
     broker: Broker, mongodb: MongoDB
 ) -> None:
     q = broker.queue("ingest")
-    handler_id = f"{q}/ingest"
     rng = random.Random(30)
     events: list[tuple[uuid.UUID, dict[str, Any]]] = [(uuid.uuid4(), {"n": n}) for n in range(1000)]
     poison = {3: "raise", 250: "fail", 499: "raise", 730: "fail", 998: "raise"}
@@ -124,13 +133,15 @@ async def test_a_thousand_events_with_duplicates_and_poison_each_end_on_their_ow
     listener = CommandLog()
     client: AsyncMongoClient[Any] = AsyncMongoClient(mongodb.uri, event_listeners=[listener])
 
-    def consumer() -> Any:
-        return broker.consumer(
+    def consumer() -> Consumer:
+        return batch_consumer(
+            broker,
+            MongoDB(mongodb.uri, client, mongodb.name),
             q,
-            ingest_handler(q, handler_id, calls, max_size=100, max_wait=0.5),
+            calls,
             name="batch-thousand",
-            mongodb=MongoDB(mongodb.uri, client, mongodb.name),
-            concurrency=1,
+            max_size=100,
+            max_wait=0.5,
             prefetch=200,
             unknown_errors="permanent",
             retry=RetryPolicy(max_retries=0, delays=()),
@@ -183,14 +194,7 @@ async def test_a_transient_error_on_the_batch_commit_replays_it_once(
 ) -> None:
     q = broker.queue("commit")
     calls: list[int] = []
-    consumer = broker.consumer(
-        q,
-        ingest_handler(q, f"{q}/ingest", calls, max_size=20, max_wait=5.0),
-        name="batch-commit",
-        mongodb=mongodb,
-        concurrency=1,
-        prefetch=40,
-    )
+    consumer = batch_consumer(broker, mongodb, q, calls, name="batch-commit", max_size=20, max_wait=5.0, prefetch=40)
     async with running(consumer) as managed:
         await failpoints.transient_commits(1)
         ids = await broker.publish_all(q, [{"n": n} for n in range(20)])
@@ -205,14 +209,7 @@ async def test_a_transient_error_on_the_batch_commit_replays_it_once(
 async def test_a_graceful_shutdown_runs_a_half_formed_batch(broker: Broker, mongodb: MongoDB) -> None:
     q = broker.queue("half")
     calls: list[int] = []
-    consumer = broker.consumer(
-        q,
-        ingest_handler(q, f"{q}/ingest", calls, max_size=100, max_wait=60.0),
-        name="batch-half",
-        mongodb=mongodb,
-        concurrency=1,
-        prefetch=200,
-    )
+    consumer = batch_consumer(broker, mongodb, q, calls, name="batch-half", max_size=100, max_wait=60.0, prefetch=200)
     managed = await consumer.start()
     try:
         ids = await broker.publish_all(q, [{"n": n} for n in range(7)])
@@ -311,15 +308,8 @@ async def test_several_batch_consumers_killed_at_random_lose_nothing_and_double_
 
 @pytest.fixture
 def sdk() -> Iterator[Sdk]:
-    spans, metrics = InMemorySpanExporter(), InMemoryMetricReader()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    meter_provider = MeterProvider(metric_readers=[metrics])
-    try:
-        yield Sdk(spans, metrics, tracer_provider, meter_provider)
-    finally:
-        tracer_provider.shutdown()
-        meter_provider.shutdown()
+    with in_memory_sdk() as made:
+        yield made
 
 
 async def test_a_batch_has_one_span_linked_to_each_delivery_and_a_size_histogram(
@@ -328,14 +318,8 @@ async def test_a_batch_has_one_span_linked_to_each_delivery_and_a_size_histogram
     telemetry = Telemetry(tracer_provider=sdk.tracer_provider, meter_provider=sdk.meter_provider)
     q = broker.queue("traced")
     calls: list[int] = []
-    consumer = broker.consumer(
-        q,
-        ingest_handler(q, f"{q}/ingest", calls, max_size=5, max_wait=5.0),
-        name="batch-traced",
-        mongodb=mongodb,
-        telemetry=telemetry,
-        concurrency=1,
-        prefetch=10,
+    consumer = batch_consumer(
+        broker, mongodb, q, calls, name="batch-traced", max_size=5, max_wait=5.0, prefetch=10, telemetry=telemetry
     )
     async with running(consumer) as managed:
         async with Publisher(broker.url, telemetry=False) as publisher:

@@ -429,6 +429,46 @@ async def test_a_retried_write_is_answered_once(variant: str) -> None:
 # -- lookups: the same answers as mongoeco's walks ------------------------------------------------
 
 
+async def test_a_majority_latency_delays_commits_and_majority_writes_only() -> None:
+    """``--majority-latency-ms`` models a replica set's wait for the majority: a commit and a write
+    outside a transaction (default write concern) answer after it; w=1 writes and reads do not."""
+    latency = 0.2
+    with EmbeddedServer(majority_latency_ms=latency * 1000) as server:
+        client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
+        try:
+            collection = client.lily_latency.docs
+
+            async def timed(operation: Any) -> float:
+                started = time.perf_counter()
+                await operation
+                return time.perf_counter() - started
+
+            assert await timed(collection.insert_one({"_id": "majority"})) >= latency
+            unacknowledged_by_majority = collection.with_options(write_concern=pymongo.WriteConcern(w=1))
+            assert await timed(unacknowledged_by_majority.insert_one({"_id": "primary"})) < latency
+            assert await timed(collection.find_one({"_id": "majority"})) < latency
+            async with client.start_session() as session:
+                await session.start_transaction()
+                assert await timed(collection.insert_one({"_id": "in-transaction"}, session=session)) < latency
+                assert await timed(session.commit_transaction()) >= latency
+            assert await collection.count_documents({}) == 3
+        finally:
+            await client.close()
+
+
+def test_a_majority_latency_out_of_bounds_is_refused_naming_the_flag() -> None:
+    import subprocess
+
+    run = subprocess.run(
+        [sys.executable, "-m", "lily_mongo.embedded", "--majority-latency-ms", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 2
+    assert "--majority-latency-ms is -1; it must be between 0 and 10000" in run.stderr
+
+
 async def test_lookups_by_id_and_through_a_partial_index_find_what_a_walk_finds(db: Any) -> None:
     await db.docs.create_index([("status", 1), ("at", 1)], name="due", partialFilterExpression={"status": "pending"})
     await db.docs.insert_many(
@@ -484,3 +524,24 @@ async def test_on_the_sqlite_engine_a_second_transaction_is_refused_transient(va
     finally:
         process.terminate()
         await asyncio.wait_for(process.wait(), 10)
+
+
+async def test_kill_sessions_aborts_the_session_s_transaction_and_frees_its_document(db: Any) -> None:
+    docs = db.kill_sessions
+    await docs.insert_one({"_id": "k", "n": 0})
+    async with db.client.start_session() as session:
+        await session.start_transaction()
+        await docs.update_one({"_id": "k"}, {"$inc": {"n": 1}}, session=session)
+        if db.variant == "as-shipped":  # mongoeco does not know the command
+            with pytest.raises(OperationFailure, match="unsupported wire command: killSessions"):
+                await db.client.admin.command({"killSessions": [session.session_id]})
+            await session.abort_transaction()
+            return
+        reply = await db.client.admin.command({"killSessions": [session.session_id]})
+        assert reply["ok"] == 1.0
+        with pymongo.timeout(2):  # not held any more: applies at once
+            await docs.update_one({"_id": "k"}, {"$inc": {"n": 10}})
+        with pytest.raises(OperationFailure) as refused:
+            await session.commit_transaction()
+        assert refused.value.code == 251  # NoSuchTransaction, as on MongoDB
+    assert await docs.find_one({"_id": "k"}) == {"_id": "k", "n": 10}

@@ -42,6 +42,7 @@ from lily_mongo import (
     Text,
     queue,
 )
+from lily_mongo._plan.routes import Guard, Middleware
 from lily_mongo._topology import declare_topology
 from tests.support.broker import Broker, queue_exists
 from tests.support.consumers import new_tasks, outcomes, running
@@ -94,6 +95,38 @@ async def dlq_codes(broker: Broker, q: str) -> dict[str, str]:
 # -- middleware and guards ------------------------------------------------------------------------
 
 
+def layered_consumer(
+    broker: Broker,
+    q: str,
+    seen: list[tuple[str, uuid.UUID]],
+    outer: Middleware,
+    inner: Middleware,
+    consumer_guard: Guard,
+    handler_guard: Guard,
+    *,
+    name: str,
+    prefetch: int,
+) -> Consumer:
+    """A consumer of ``q`` (one permit, retries parked) with ``outer`` and ``consumer_guard`` consumer-wide, whose
+    handler ``<q>/h``, wrapped in ``inner`` and ``handler_guard``, notes ``("handler", event id)`` in ``seen``
+    (the layers in the order they run, outermost first)."""
+
+    @queue(q, version=1, handler_id=f"{q}/h", middleware=[inner], guards=[handler_guard])
+    async def handle(order: Json[Order], event_id: EventId) -> None:
+        seen.append(("handler", event_id))
+
+    return broker.consumer(
+        q,
+        handle,
+        name=name,
+        middleware=[outer],
+        guards=[consumer_guard],
+        concurrency=1,
+        prefetch=prefetch,
+        retry=PARKED,
+    )
+
+
 async def test_middleware_and_guards_wrap_the_handler_outermost_first(broker: Broker) -> None:
     q = broker.queue("mw")
     trace: list[tuple[str, uuid.UUID]] = []
@@ -131,13 +164,7 @@ async def test_middleware_and_guards_wrap_the_handler_outermost_first(broker: Br
     async def handler_guard(ctx: DeliveryContext) -> None:
         note("guard:handler", ctx)
 
-    @queue(q, version=1, handler_id=f"{q}/h", middleware=[inner], guards=[handler_guard])
-    async def handle(order: Json[Order], event_id: EventId) -> None:
-        trace.append(("handler", event_id))
-
-    consumer = broker.consumer(
-        q, handle, name="mw", middleware=[outer], guards=[consumer_guard], concurrency=1, prefetch=2, retry=PARKED
-    )
+    consumer = layered_consumer(broker, q, trace, outer, inner, consumer_guard, handler_guard, name="mw", prefetch=2)
     async with running(consumer) as managed, Publisher(broker.url) as publisher:
         first = await publisher.publish_json(q, {"n": 1}, version=1)
         second = await publisher.publish_json(q, {"n": 2}, version=1)
@@ -181,13 +208,7 @@ async def test_refusals_dead_letter_and_dispatch_failures_skip_middleware_and_gu
         if mode(ctx) == "handler-guard":
             raise QueueHandlerError.permanent("GUARD_HANDLER_NO", "not allowed")
 
-    @queue(q, version=1, middleware=[inner], guards=[handler_guard])
-    async def handle(order: Json[Order], event_id: EventId) -> None:
-        seen.append(("handler", event_id))
-
-    consumer = broker.consumer(
-        q, handle, name="refuse", middleware=[outer], guards=[consumer_guard], concurrency=1, prefetch=8, retry=PARKED
-    )
+    consumer = layered_consumer(broker, q, seen, outer, inner, consumer_guard, handler_guard, name="refuse", prefetch=8)
     async with running(consumer) as managed, Publisher(broker.url) as publisher:
         ok = await publisher.publish_json(q, {"n": 1}, version=1)
         by_mw = await publisher.publish_json(q, {"n": 2}, version=1, headers={"x-test-mode": "middleware"})
@@ -374,25 +395,6 @@ async def test_handlers_run_in_worker_tasks_that_end_when_the_queue_is_idle(brok
         assert seen == ["lily-worker"] * 12
         await eventually(
             lambda: not any(t.get_name() == "lily-worker" for t in new_tasks(idle)), what="the workers to end"
-        )
-
-
-async def test_a_deleted_queue_is_reported_loudly(broker: Broker, caplog: pytest.LogCaptureFixture) -> None:
-    """The broker cancels the consumer of a deleted queue; the consumer says which queue went quiet."""
-    q = broker.queue("deleted")
-
-    @queue(q, version=1)
-    async def handle(event_id: EventId) -> None:
-        return None
-
-    consumer = broker.consumer(q, handle, name="deleted", concurrency=1)
-    async with running(consumer):
-        await broker.channel.queue_delete(q)
-        await eventually(
-            lambda: any(
-                r.name == "lily_mongo" and r.levelname == "ERROR" and q in r.getMessage() for r in caplog.records
-            ),
-            what="the report of the cancelled consumer",
         )
 
 

@@ -9,6 +9,7 @@ test, so metric points are read by queue.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,8 +65,9 @@ class Sdk:
     meter_provider: MeterProvider
 
 
-@pytest.fixture(scope="module")
-def sdk() -> Iterator[Sdk]:
+@contextlib.contextmanager
+def in_memory_sdk() -> Iterator[Sdk]:
+    """Providers of their own reporting to the SDK's in-memory exporter and reader, shut down at the end."""
     spans = InMemorySpanExporter()
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
@@ -76,6 +78,12 @@ def sdk() -> Iterator[Sdk]:
     finally:
         tracer_provider.shutdown()
         meter_provider.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sdk() -> Iterator[Sdk]:
+    with in_memory_sdk() as made:
+        yield made
 
 
 @pytest.fixture

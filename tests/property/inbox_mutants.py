@@ -194,16 +194,16 @@ COMPLETION = """            else:
                             session=session,
                         )
                 except PyMongoError as exc:
-                    await self._abort(session)
+                    await self._store.abort(session)
                     if timed_out(exc):  # a wait before the handler ran: infrastructure, not a retry
                         raise Deferral(store.claim_failed(exc, bound)) from exc
-                    raise self._failed(exc, "the completion write") from exc
+                    raise operation_failed(exc, "the completion write") from exc
                 if done.matched_count == 0:
-                    await self._abort(session)
+                    await self._store.abort(session)
                     return PipelineResult(Outcome.DEFERRED, ErrorCode.LEASE_LOST, "the lease was taken over")
 """
 AFTER_THE_HANDLER = """            if result.outcome is not Outcome.SUCCESS:
-                await self._abort(session)
+                await self._store.abort(session)
                 return result
 """
 # Two steps of Attempts._attempt swapped: the handler runs before the completion write.
@@ -272,7 +272,7 @@ DUPLICATE_ABORTS = (
                             await session.commit_transaction()
                     except PyMongoError:""",
         """                    try:
-                        await self._abort(session)
+                        await self._store.abort(session)
                     except PyMongoError:""",
     ),
 )

@@ -108,7 +108,7 @@ class Txn:
     started: float | None = None  # the server clock at its first operation
     writes: dict[str, Doc | None] = field(default_factory=dict)
     state: TxnState = TxnState.OPEN
-    aborted_by: str = ""  # "reaper", "failover", "server", "client", "conflict", "error"
+    aborted_by: str = ""  # "reaper", "failover", "server", "client", "conflict", "error", "killed"
     commit_optime: int | None = None
     in_flight: bool = False  # a commit was sent and its reply lost before it applied
     rolled_back: bool = False
@@ -646,6 +646,7 @@ class SimClient:
         self.w = w
         self.dead = False
         self.admin = SimAdmin(self)
+        self.sessions: dict[int, SimSession] = {}  # by lsid: what killSessions names
 
     def __getitem__(self, name: str) -> SimDatabase:
         return SimDatabase(self, name)
@@ -693,13 +694,21 @@ class SimAdmin:
             if not server.answers_lifetime:
                 raise failure("not authorized on admin to execute command getParameter", 13)
             return {"ok": 1, "transactionLifetimeLimitSeconds": server.lifetime}
+        if name == "killSessions":  # MongoDB aborts each named session's transaction unless it committed
+            for spec in command[name]:
+                session = self.client.sessions.get(spec["id"])
+                if session is not None and session._txn is not None:
+                    server.abort(session._txn, "killed")
+            return {"ok": 1}
         raise AssertionError(f"the model does not know the command {name}")
 
 
+@dataclass(eq=False)
 class SimDatabase:
-    def __init__(self, client: SimClient, name: str) -> None:
-        self.client = client
-        self.name = name
+    """A database handle: its collections are on ``client``."""
+
+    client: SimClient
+    name: str
 
     def __getitem__(self, name: str) -> SimCollection:
         return SimCollection(self.client, name)
@@ -797,6 +806,8 @@ class SimSession:
 
     def __init__(self, client: SimClient) -> None:
         self.client = client
+        self.session_id = {"id": len(client.sessions)}
+        client.sessions[self.session_id["id"]] = self
         self._server_session = _ServerSession()
         self._txn: Txn | None = None
         self._in_transaction = False

@@ -13,6 +13,7 @@
 - ``messages``: messages as the engine's preparing reads them, which no settlement may touch.
 - ``asyncapi``: reading AsyncAPI documents.
 - ``processes``: child processes a test starts, stops with a signal and never leaves running.
+- ``workers``: what the worker scripts of the process tests share (JSON lines, arguments, serving).
 - ``cli``: the ``lily-mongo`` command run as a child process, and in-process.
 - ``probes``: the HTTP probes a command serves.
 """

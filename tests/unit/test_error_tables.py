@@ -228,52 +228,38 @@ async def test_a_cancellation_is_never_mapped() -> None:
 # -- PyMongo -----------------------------------------------------------------------------------------
 
 
+SHOWN = "mongodb://app:***@db.example:27017/"  # MONGO_URI as a sentence names it: its password masked
+UNREACHABLE = f"MongoDB is not reachable at {SHOWN} (no server answered in time)"
+REFUSED = f"MongoDB at {SHOWN} refused the ping"
+
+
 @pytest.mark.parametrize(
     ("exc", "expected", "sentence", "unreachable"),
     [
-        (
-            pymongo.errors.InvalidURI("bad port"),
-            ConfigError,
-            "the MongoDB URI mongodb://app:***@db.example:27017/ is not valid: bad port",
-            False,
-        ),
-        (
-            pymongo.errors.ServerSelectionTimeoutError("db.example:27017: timed out"),
-            TransportError,
-            "MongoDB is not reachable at mongodb://app:***@db.example:27017/ (no server answered in time)",
-            True,
-        ),
-        (
-            pymongo.errors.AutoReconnect("connection closed"),
-            TransportError,
-            "MongoDB is not reachable at mongodb://app:***@db.example:27017/ (no server answered in time)",
-            True,
-        ),
+        (pymongo.errors.InvalidURI("bad port"), ConfigError, f"the MongoDB URI {SHOWN} is not valid: bad port", False),
+        (pymongo.errors.ServerSelectionTimeoutError("db.example:27017: timed out"), TransportError, UNREACHABLE, True),
+        (pymongo.errors.AutoReconnect("connection closed"), TransportError, UNREACHABLE, True),
         (
             pymongo.errors.OperationFailure("Authentication failed.", code=18),
             TransportError,
-            "MongoDB at mongodb://app:***@db.example:27017/ refused the login: check the user and password",
+            f"MongoDB at {SHOWN} refused the login: check the user and password",
             False,
         ),
         (
             pymongo.errors.OperationFailure("not authorized on shop", code=13),
             TransportError,
-            "MongoDB at mongodb://app:***@db.example:27017/ refused the ping: OperationFailure: not authorized on shop",
+            f"{REFUSED}: OperationFailure: not authorized on shop",
             False,
         ),
-        (
-            pymongo.errors.DuplicateKeyError("E11000"),
-            TransportError,
-            "MongoDB at mongodb://app:***@db.example:27017/ refused the ping: DuplicateKeyError: E11000",
-            False,
-        ),
+        (pymongo.errors.DuplicateKeyError("E11000"), TransportError, f"{REFUSED}: DuplicateKeyError: E11000", False),
         (
             bson.errors.InvalidDocument("cannot encode object"),
             TransportError,
-            "MongoDB at mongodb://app:***@db.example:27017/ refused the ping: InvalidDocument: cannot encode object",
+            f"{REFUSED}: InvalidDocument: cannot encode object",
             False,
         ),
     ],
+    ids=["invalid-uri", "server-selection", "reconnect", "login", "unauthorized", "duplicate-key", "bad-document"],
 )
 def test_a_pymongo_error_becomes_the_documented_lily_error(
     exc: BaseException, expected: type[LilyError], sentence: str, unreachable: bool

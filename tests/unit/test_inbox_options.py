@@ -44,22 +44,29 @@ def test_a_value_out_of_bounds_is_refused_naming_field_value_and_bound(
         assert part in str(info.value), (part, str(info.value))
 
 
-def test_the_defaults_and_the_bounds_themselves_are_accepted() -> None:
+# The lowest and the highest value each field with fixed bounds takes (the bounds the refusals above name).
+INBOX_BOUNDS: dict[str, tuple[float, float]] = {
+    "lease_seconds": (0.05, 3600),
+    "retention_seconds": (60, 31622400),
+    "stale_lease_seconds": (1, 31622400),
+    "replay_budget": (0, 100),
+    "commit_retries": (0, 100),
+    "max_wait_seconds": (0.05, 600),
+    "transaction_lifetime_seconds": (1, 86400),
+}
+# The fields bounded by each other at their edges: a heartbeat below the shortest lease, a base equal to its max.
+RELATIVE_EDGES = {"heartbeat_seconds": 0.01, "backoff_base": 1.0, "backoff_max": 1.0}
+
+
+@pytest.mark.parametrize("end", [0, 1], ids=["lowest", "highest"])
+def test_the_bounds_themselves_are_accepted(end: int) -> None:
+    values: dict[str, Any] = {field: bounds[end] for field, bounds in INBOX_BOUNDS.items()} | RELATIVE_EDGES
+    options = InboxOptions(**values)
+    assert {field: getattr(options, field) for field in values} == values
+
+
+def test_the_defaults() -> None:
     options = InboxOptions()
     assert (options.records, options.lease_seconds) == ("lily_inbox", 30.0)
     assert options.heartbeat_seconds == pytest.approx(10.0)  # a third of the lease
-    edge = InboxOptions(
-        lease_seconds=0.05,
-        heartbeat_seconds=0.01,
-        retention_seconds=60,
-        stale_lease_seconds=1,
-        replay_budget=0,
-        commit_retries=100,
-        backoff_base=1.0,
-        backoff_max=1.0,
-        max_wait_seconds=0.05,
-        transaction_lifetime_seconds=1,
-    )
-    assert edge.lease_seconds == 0.05
     assert (options.max_wait_seconds, options.transaction_lifetime_seconds) == (10.0, None)  # read at start
-    assert InboxOptions(max_wait_seconds=600, transaction_lifetime_seconds=86400).max_wait_seconds == 600

@@ -74,34 +74,33 @@ def test_outbox_options_are_bounded(options: dict[str, Any], parts: tuple[str, .
     refused(lambda: OutboxOptions(**options), *parts)
 
 
-def test_outbox_options_at_their_bounds_are_accepted() -> None:
-    low = OutboxOptions(
-        poll_interval=0.01,
-        claim_seconds=0.1,
-        mark_interval=0,
-        max_attempts=1,
-        backoff_base=0.001,
-        backoff_max=0.001,
-        batch_size=1,
-        max_body=1,
-        count_interval=0.01,
-        transaction_retries=0,
-        commit_retries=0,
-    )
-    assert (low.poll_interval, low.max_attempts, low.backoff_max, low.mark_interval) == (0.01, 1, 0.001, 0.0)
-    high = OutboxOptions(
-        poll_interval=3600,
-        max_attempts=1000,
-        backoff_base=3600,
-        backoff_max=86400,
-        batch_size=1000,
-        claim_seconds=120,
-        mark_interval=60,
-        max_body=16 * 1024 * 1024,
-    )
-    assert high.poll_interval == 3600.0
-    assert isinstance(high.poll_interval, float)
-    assert isinstance(high.mark_interval, float)
+# The lowest and the highest value each bounded field takes (the bounds the refusals above name).
+OUTBOX_BOUNDS: dict[str, tuple[float, float]] = {
+    "poll_interval": (0.01, 3600),
+    "claim_seconds": (0.1, 86400),
+    "mark_interval": (0, 60),
+    "max_attempts": (1, 1000),
+    "backoff_base": (0.001, 3600),
+    "backoff_max": (0.001, 86400),
+    "batch_size": (1, 1000),
+    "max_body": (1, 16 * 1024 * 1024),
+    "published_retention": (60, 31622400),
+    "count_interval": (0.01, 3600),
+    "transaction_retries": (0, 100),
+    "commit_retries": (0, 100),
+}
+
+
+@pytest.mark.parametrize("end", [0, 1], ids=["lowest", "highest"])
+def test_outbox_options_at_their_bounds_are_accepted(end: int) -> None:
+    values: dict[str, Any] = {field: bounds[end] for field, bounds in OUTBOX_BOUNDS.items()}
+    options = OutboxOptions(**values)
+    assert {field: getattr(options, field) for field in values} == values
+    assert isinstance(options.poll_interval, float)
+    assert isinstance(options.mark_interval, float)
+
+
+def test_outbox_options_defaults() -> None:
     defaults = OutboxOptions()
     assert (defaults.collection, defaults.batch_size, defaults.max_body) == ("lily_outbox", 100, 8 * 1024 * 1024)
     assert (defaults.claim_seconds, defaults.mark_interval, defaults.run_relay) == (30.0, 1.0, True)
@@ -232,6 +231,8 @@ def test_custom_content_encoder_must_be_callable() -> None:
         ({"ack_delay": -0.001}, ("ack_delay", "0..0.1 seconds", "-0.001")),
         ({"ack_delay": 0.5}, ("ack_delay", "0..0.1 seconds", "0.5")),
         ({"ack_delay": "1ms"}, ("ack_delay", "finite number of seconds", "1ms")),
+        ({"consumer_timeout": 0}, ("consumer_timeout", "> 0 and <= 604800 seconds", "0")),
+        ({"consumer_timeout": True}, ("consumer_timeout", "finite number of seconds", "True")),
     ],
 )
 def test_queue_options_name_the_refused_value(options: dict[str, Any], parts: tuple[str, ...]) -> None:

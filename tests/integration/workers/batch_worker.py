@@ -16,20 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import sys
 from typing import Any
 
-from pymongo import AsyncMongoClient
-
-from lily_mongo import Batch, BatchOptions, Consumer, InboxOptions, Json, MongoScope, RetryPolicy, queue
+from lily_mongo import Batch, BatchOptions, InboxOptions, Json, MongoScope, RetryPolicy, queue
 from lily_mongo._amqp import AmqpMessage
-
-
-def emit(record: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(record) + "\n")
-    sys.stdout.flush()
+from tests.support.workers import emit, emit_observations, serve, worker_consumer, worker_parser
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -53,16 +45,7 @@ async def run(args: argparse.Namespace) -> None:
 
         AmqpMessage.ack = never  # type: ignore[method-assign]  # this test process's ACKs never leave it
 
-    client: AsyncMongoClient[Any] = AsyncMongoClient(args.mongo_uri, serverSelectionTimeoutMS=10_000)
-    consumer = Consumer(
-        amqp_url=args.amqp,
-        mongo_client=client,
-        database=args.database,
-        name=args.name,
-        inbox=InboxOptions(lease_seconds=2.0),
-        graceful_timeout=10.0,
-        owns_mongo_client=True,
-    )
+    consumer = worker_consumer(args, inbox=InboxOptions(lease_seconds=2.0), graceful_timeout=10.0)
     consumer.configure_queue(
         args.queue,
         concurrency=1,
@@ -72,29 +55,12 @@ async def run(args: argparse.Namespace) -> None:
     )
     consumer.include(ingest)
     managed = await consumer.start()
-    managed.install_signal_handlers()
-    emit({"ready": args.name, "pid": os.getpid()})
-    report = await managed.wait()
-    emit(
-        {
-            "observations": [
-                {"outcome": o.outcome, "code": o.code, "event_id": str(o.event_id)}
-                for o in managed.delivery_terminal_observations()
-            ],
-            "succeeded": report.succeeded,
-            "unresolved": report.unresolved,
-        }
-    )
+    report = await serve(managed, args.name)
+    emit_observations(managed, report, "outcome", "code")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mongo-uri", required=True)
-    parser.add_argument("--amqp", required=True)
-    parser.add_argument("--database", required=True)
-    parser.add_argument("--queue", required=True)
-    parser.add_argument("--handler-id", required=True)
-    parser.add_argument("--name", required=True)
+    parser = worker_parser(__doc__)
     parser.add_argument("--max-size", type=int, default=20)
     parser.add_argument("--max-wait", type=float, default=0.05)
     parser.add_argument("--stall-acks", action="store_true")

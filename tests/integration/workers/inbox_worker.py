@@ -20,20 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
-import sys
-from typing import Any
 
-from pymongo import AsyncMongoClient
-
-from lily_mongo import Consumer, EventId, InboxOptions, MongoScope, RetryPolicy, queue
-
-
-def emit(record: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(record) + "\n")
-    sys.stdout.flush()
+from lily_mongo import EventId, InboxOptions, MongoScope, RetryPolicy, queue
+from tests.support.workers import emit, emit_observations, serve, worker_consumer, worker_parser
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -48,15 +39,10 @@ async def run(args: argparse.Namespace) -> None:
             {"event_id": str(event_id), "pid": os.getpid()}, session=mongo.session
         )
 
-    client: AsyncMongoClient[Any] = AsyncMongoClient(args.mongo_uri, serverSelectionTimeoutMS=10_000)
-    consumer = Consumer(
-        amqp_url=args.amqp,
-        mongo_client=client,
-        database=args.database,
-        name=args.name,
+    consumer = worker_consumer(
+        args,
         inbox=InboxOptions(lease_seconds=args.lease_seconds, claim_in_transaction=args.claim_in_transaction == "on"),
         graceful_timeout=5.0,
-        owns_mongo_client=True,
     )
     consumer.configure_queue(
         args.queue,
@@ -70,36 +56,13 @@ async def run(args: argparse.Namespace) -> None:
     )
     consumer.include(handle)
     managed = await consumer.start()
-    managed.install_signal_handlers()
-    emit({"ready": args.name, "pid": os.getpid()})
-    report = await managed.wait()
-    emit(
-        {
-            "observations": [
-                {
-                    "outcome": o.outcome,
-                    "code": o.code,
-                    "reason": o.reason,
-                    "attempts": o.attempts,
-                    "event_id": str(o.event_id),
-                }
-                for o in managed.delivery_terminal_observations()
-            ],
-            "succeeded": report.succeeded,
-            "unresolved": report.unresolved,
-        }
-    )
+    report = await serve(managed, args.name)
+    emit_observations(managed, report, "outcome", "code", "reason", "attempts")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mongo-uri", required=True)
-    parser.add_argument("--amqp", required=True)
-    parser.add_argument("--database", required=True)
-    parser.add_argument("--queue", required=True)
-    parser.add_argument("--handler-id", required=True)
+    parser = worker_parser(__doc__)
     parser.add_argument("--claim-in-transaction", choices=("on", "off"), default="on")
-    parser.add_argument("--name", required=True)
     parser.add_argument("--lease-seconds", type=float, default=1.0)
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--deadline", type=float, default=60.0)

@@ -21,19 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import sys
 from typing import Any
 
 from pymongo import AsyncMongoClient
 
-from lily_mongo import Consumer, EventId, MongoScope, OutboxOptions, Relay, RetryPolicy, queue
-
-
-def emit(record: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(record) + "\n")
-    sys.stdout.flush()
+from lily_mongo import EventId, MongoScope, OutboxOptions, Relay, RetryPolicy, queue
+from tests.support.workers import emit, serve, worker_consumer, worker_parser
 
 
 def options(args: argparse.Namespace, **more: Any) -> OutboxOptions:
@@ -54,14 +48,7 @@ async def run_consumer(args: argparse.Namespace, client: AsyncMongoClient[Any]) 
         )
         await mongo.outbox.publish_json(args.down, {"from": str(event_id), "pid": os.getpid()}, version=1)
 
-    consumer = Consumer(
-        amqp_url=args.amqp,
-        mongo_client=client,
-        database=args.database,
-        name=args.name,
-        outbox=options(args, run_relay=args.relay == "on"),
-        graceful_timeout=5.0,
-    )
+    consumer = worker_consumer(args, client, outbox=options(args, run_relay=args.relay == "on"), graceful_timeout=5.0)
     consumer.configure_queue(args.queue, concurrency=1, prefetch=1, retry=RetryPolicy(max_retries=1, delays=(0.2,)))
     consumer.include(handle)
     managed = await consumer.start()
@@ -73,9 +60,7 @@ async def run_consumer(args: argparse.Namespace, client: AsyncMongoClient[Any]) 
             emit({"committed": [r["_id"] for r in records], "pid": os.getpid()})
 
         outbox.dispatcher.submit = committed  # type: ignore[method-assign]
-    managed.install_signal_handlers()
-    emit({"ready": args.name, "pid": os.getpid()})
-    report = await managed.wait()
+    report = await serve(managed, args.name)
     emit({"stopped": args.name, "succeeded": report.succeeded, "published": managed.snapshot().outbox_published})
 
 
@@ -104,9 +89,7 @@ async def run_relay(args: argparse.Namespace, client: AsyncMongoClient[Any]) -> 
     if args.mark_delay:
         part = relay.process.relay
         part._majority = HeldMarks(part._majority, args.mark_delay)  # type: ignore[assignment]
-    relay.install_signal_handlers()
-    emit({"ready": args.name, "pid": os.getpid()})
-    report = await relay.wait()
+    report = await serve(relay, args.name)
     emit(
         {
             "stopped": args.name,
@@ -126,12 +109,8 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = worker_parser(__doc__, consumer=False)
     parser.add_argument("mode", choices=("consumer", "relay"))
-    parser.add_argument("--mongo-uri", required=True)
-    parser.add_argument("--amqp", required=True)
-    parser.add_argument("--database", required=True)
-    parser.add_argument("--name", required=True)
     parser.add_argument("--queue", default="")
     parser.add_argument("--down", default="")
     parser.add_argument("--claim-seconds", type=float, default=2.0)
