@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pymongo import AsyncMongoClient
+from yarl import URL
 from pymongo.write_concern import WriteConcern
 
 from .._amqp import connect_amqp
@@ -33,6 +34,15 @@ log = logging.getLogger("lily_mongo")
 
 # How often a running outbox reads the server's clock again (one ``hello``).
 CLOCK_INTERVAL = 30.0
+
+
+def outbox_url(url: str) -> str:
+    """``url`` for the outbox's own connection: its connection name (``name=``, what the broker's
+    management lists) says it is the outbox's, ``<name> (outbox)``, or ``lily-mongo outbox``."""
+    parsed = URL(url)
+    name = parsed.query.get("name")
+    return str(parsed.update_query(name=f"{name} (outbox)" if name else "lily-mongo outbox"))
+
 
 # -- one process's outbox ---------------------------------------------------------------------------
 
@@ -160,7 +170,7 @@ class ProcessOutbox:
         reading the whole connection) reaches the consumer's deliveries and their ACKs
         (docs/outbox.md, "A bad destination is isolated").
         """
-        self._connection = await connect_amqp(url)
+        self._connection = await connect_amqp(outbox_url(url))
         await self.start(self._connection, confirm_timeout, tasks)
 
     def start_in_process(self, send: Send, tasks: TaskSet) -> None:

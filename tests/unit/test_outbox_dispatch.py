@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 from bson.codec_options import CodecOptions
 from bson.errors import InvalidBSON
+from yarl import URL
 
 from lily_mongo._errors import PublishError
 from lily_mongo._outbox import FixedTransport, OutboxCounters, OutboxDispatcher, OutboxOptions, OutboxRelay, protocol
 from lily_mongo._outbox import dispatcher as dispatcher_module
 from lily_mongo._outbox.outcomes import BREAKER_MAX, Breaker
+from lily_mongo._outbox.process import outbox_url
 from lily_mongo._tasks import TaskSet
 from tests.support.outbox import written_record
 
@@ -306,3 +308,14 @@ def test_the_breakers_wait_is_bounded() -> None:
     breaker = Breaker(options)
     breaker.streak = 50
     assert breaker.delay(0.999) <= BREAKER_MAX
+
+
+def test_the_outbox_connection_is_named_after_the_consumers() -> None:
+    named = URL(outbox_url("amqp://u:p%40ss@127.0.0.1:5672/vh?name=svc&heartbeat=30"))
+    assert (named.query["name"], named.query["heartbeat"], named.password, named.path) == (
+        "svc (outbox)",
+        "30",
+        "p@ss",
+        "/vh",
+    )
+    assert URL(outbox_url("amqp://127.0.0.1/")).query["name"] == "lily-mongo outbox"
