@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pymongo import AsyncMongoClient
-from yarl import URL
 from pymongo.write_concern import WriteConcern
+from yarl import URL
 
 from .._amqp import connect_amqp
 from .._clock import utcnow

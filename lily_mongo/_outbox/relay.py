@@ -37,6 +37,8 @@ COUNT_LIMIT = 100_000
 # Beyond the longest wait a writer or a relay sets (claim_seconds, backoff_max), this much more
 # (clocks of several processes) makes a claim or an availability implausible: it counts as passed.
 HORIZON_SLACK = 10.0
+# A claimed batch holds at most about this many bytes of records in memory (as the dispatcher's queue).
+RELAY_BATCH_BYTES = 64 * 1024 * 1024
 
 # -- the backstop relay -----------------------------------------------------------------------------
 
@@ -252,8 +254,30 @@ class OutboxRelay:
         )
         if not claimed.matched_count:
             return []  # another relay took them all
-        raw = await self._read_back.find(protocol.claimed_filter(ids, token)).batch_size(len(ids)).to_list()
+        raw = await self._read_claimed(ids, token)
         return protocol.publish_order(await self._decode(raw, token))
+
+    async def _read_claimed(self, ids: list[str], token: str) -> list[RawBSONDocument]:
+        """The claimed records, read until :data:`RELAY_BATCH_BYTES` of them are in memory (the server
+        sends at most 16 MiB a reply); the claims of those not read are released at once, for the next pass."""
+        cursor = self._read_back.find(protocol.claimed_filter(ids, token)).batch_size(len(ids))
+        raw: list[RawBSONDocument] = []
+        size = 0
+        try:
+            async for document in cursor:
+                raw.append(document)
+                size += len(document.raw)
+                if size >= RELAY_BATCH_BYTES:
+                    break
+        finally:
+            await cursor.close()
+        if size >= RELAY_BATCH_BYTES and len(raw) < len(ids):
+            read = {_raw_id(bytes(document.raw)) for document in raw}
+            unread = [rid for rid in ids if rid not in read]
+            await self._majority.update_many(
+                protocol.failure_filter({"$in": unread}, token), {"$unset": {"claim_expires": ""}}
+            )
+        return raw
 
     async def _decode(self, raw: list[RawBSONDocument], token: str) -> list[dict[str, Any]]:
         """Decode each claimed record on its own; park those that cannot be decoded (a date outside

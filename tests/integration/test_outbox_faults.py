@@ -308,3 +308,36 @@ async def test_a_claim_implausibly_far_ahead_counts_as_free(mongodb: MongoDB, br
     async with relay_on(broker.url, relay, 5.0):
         await broker.wait_for_depth(down, 1, timeout=10)
     assert event_ids(await broker.drain(down)) == [record["event_id"]]
+
+
+# -- bounded relay memory -----------------------------------------------------------------------------
+
+
+async def test_a_relay_batch_holds_at_most_its_byte_cap_and_releases_the_rest(
+    mongodb: MongoDB, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a cap of 10 KiB and 20 records of 4 KiB claimed together, a batch reads 3 of them; the others'
+    claims are released at once and the next passes publish them: all 20 once, none parked."""
+    monkeypatch.setattr(relay_module, "RELAY_BATCH_BYTES", 10 * 1024)
+    down = await broker.declare(broker.queue("down"))
+    outbox = mongodb.db[OUTBOX]
+    records = [outbox_record(down, {"n": i, "pad": "x" * 4096}) for i in range(20)]
+    await outbox.insert_many(records)
+    relay = OutboxRelay(outbox, OutboxOptions(poll_interval=0.05, count_interval=0.1), "relay-capped")
+    sizes: list[int] = []
+    publish = relay._relay
+
+    async def noted(batch: list[dict[str, Any]], transport: Any) -> float:
+        sizes.append(len(batch))
+        return await publish(batch, transport)
+
+    relay._relay = noted  # type: ignore[method-assign]
+    async with relay_on(broker.url, relay, 5.0):
+
+        async def all_published() -> bool:
+            return await outbox.count_documents({"status": "published"}) == 20
+
+        await eventually(all_published, what="every record published in capped batches", timeout=15)
+    assert max(sizes) == 3  # 3 x 4 KiB reach the 10 KiB cap
+    assert sum(sizes) == 20
+    assert sorted(event_ids(await broker.drain(down))) == sorted(r["event_id"] for r in records)
