@@ -341,3 +341,31 @@ async def test_a_relay_batch_holds_at_most_its_byte_cap_and_releases_the_rest(
     assert max(sizes) == 3  # 3 x 4 KiB reach the 10 KiB cap
     assert sum(sizes) == 20
     assert sorted(event_ids(await broker.drain(down))) == sorted(r["event_id"] for r in records)
+
+
+async def test_dispatch_pauses_while_the_oldest_mark_nears_the_end_of_its_claim(
+    mongodb: MongoDB, broker: Broker, failpoints: Faults
+) -> None:
+    """The first mark write hangs 3 s (then fails and is retried). Once the oldest unwritten mark has less
+    than mark_interval plus a quarter of claim_seconds of claim left (1.5 s of 4 s here), a transaction
+    committed then waits in memory until the marks are written, and is published after."""
+    down = await broker.declare(broker.queue("down"))
+    options = OutboxOptions(run_relay=False, claim_seconds=4.0, mark_interval=0.5, count_interval=0.1)
+    outbox = Outbox(mongodb.client, mongodb.name, amqp_url=broker.url, options=options, confirm_timeout=0.5)
+
+    async def write(tx: OutboxTransaction) -> list[str]:
+        return [str(await tx.publish_json(down, {"n": i}, version=1)) for i in range(5)]
+
+    async with outbox:
+        dispatcher = outbox.process.dispatcher
+        await failpoints.fail(["update"], code=189, block_ms=3000, times=1, namespace=f"{mongodb.name}.{OUTBOX}")
+        first = await outbox.transaction(write)
+        await broker.wait_for_depth(down, 5)  # published at once; its mark now hangs
+        await asyncio.sleep(2.7)  # past 4 s - 1.5 s of the first records' claim
+        second = await outbox.transaction(write)
+        await asyncio.sleep(0.2)
+        assert len(dispatcher._queue) == 5  # held back while the marks lag
+        await outbox.process.dispatched()
+        assert await mongodb.db[OUTBOX].count_documents({"status": "published"}) == 10
+        assert outbox.process.counters.left == 0
+    assert event_ids(await broker.drain(down)) == first + second
