@@ -113,8 +113,8 @@ def demo_legend(result: DemoResult) -> Table:
     replays = f"attempts re-run after a transient error ({result.injected_failures} injected) or a failed commit"
     if result.emulator:
         replays += (
-            "; on the embedded emulator most come from its global write conflicts: any write between a "
-            "transaction's first operation and its commit fails that commit (docs/emulator.md)"
+            "; the embedded server conflicts per document, as MongoDB does: a commit fails only when another "
+            "write reached one of its documents first (docs/emulator.md)"
         )
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
