@@ -27,6 +27,7 @@ from lily_mongo import (
     RetryPolicy,
     queue,
 )
+from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.testing import DeliveryResult, Faults, TestConsumer, check_idempotent
 from tests.support.mongo import MongoDB
 
@@ -133,7 +134,11 @@ async def test_contract_cases_go_through_the_same_checks(tc: TestConsumer) -> No
     wrong_version = await tc.publish_json("orders", {"order_id": "x", "total": 1}, version=9)
     assert wrong_version.code == "QUEUE_SCHEMA_VERSION_UNSUPPORTED"
     bad_body = await tc.publish_json("orders", {"order_id": "x"}, version=1)
-    assert bad_body.code == "QUEUE_PAYLOAD_DECODE_FAILED"
+    assert bad_body.code == "QUEUE_PAYLOAD_INVALID"  # JSON that the model refuses
+    broken = await tc.publish_raw(
+        "orders", headers=prepare_publication(JSON, "orders", {}, version=1).headers, body=b'{"order_id": '
+    )
+    assert broken.code == "QUEUE_PAYLOAD_DECODE_FAILED"  # not JSON at all
     text = await tc.publish_text("orders", "hello", version=1)
     assert text.code == "QUEUE_CONTENT_KIND_UNSUPPORTED"
 
