@@ -180,6 +180,8 @@ def print_report(report: ShutdownReport, as_json: bool, worker_index: int | None
             "graceful": report.graceful,
             "unresolved": report.unresolved,
             "settled": dict(report.settled),
+            "totals": dict(report.totals),
+            "elapsed": round(report.elapsed, 3),
             "actions": [
                 {"name": a.name, "ok": a.ok, "observed": a.observed, "error": a.error, "duration": round(a.duration, 3)}
                 for a in report.actions
