@@ -26,7 +26,7 @@ def relay(
     ],
     mongo_uri: MongoOption = DEFAULT_MONGO_URI,
     amqp_url: AmqpOption = DEFAULT_AMQP_URL,
-    collection: Annotated[str, typer.Option(help="The outbox collection (OutboxOptions.collection).")] = "lily_outbox",
+    collection: Annotated[str, typer.Option(help="The outbox collection (OutboxOptions' collection).")] = "lily_outbox",
     batch_size: Annotated[int, typer.Option(min=1, max=1000, help="Records claimed per batch.")] = 100,
     poll_interval: Annotated[
         float, typer.Option(min=0.01, max=3600, help="Seconds between polls while nothing is due.")

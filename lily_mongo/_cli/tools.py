@@ -26,6 +26,7 @@ from ..asyncapi import asyncapi_document
 from .errors import fail, reported, say, tell
 from .exit_codes import ExitCode
 from .options import DEFAULT_AMQP_URL, DEFAULT_MONGO_URI, MONGO_HINT, MongoOption, console, err_console
+from .tables import print_inbox
 from .target import load_consumer
 
 if TYPE_CHECKING:
@@ -144,7 +145,7 @@ def inbox_stats(
     database: Annotated[str, typer.Argument(help="The consumer's database.")],
     mongo_uri: MongoOption = DEFAULT_MONGO_URI,
     records: Annotated[str, typer.Option(help="The inbox record collection (InboxOptions.records).")] = "lily_inbox",
-    outbox: Annotated[str, typer.Option(help="The outbox collection (OutboxOptions.collection).")] = "lily_outbox",
+    outbox: Annotated[str, typer.Option(help="The outbox collection (OutboxOptions' collection).")] = "lily_outbox",
     timeout: Annotated[
         float, typer.Option(min=0.1, max=600, help="Seconds to wait for a MongoDB server to answer.")
     ] = 10.0,
@@ -162,7 +163,7 @@ def inbox_stats(
                 if records not in present and outbox not in present:
                     fail(
                         ExitCode.USAGE,
-                        f"database {database!r} has neither a {records!r} nor an {outbox!r} collection: is it the "
+                        f"database {database!r} has neither a {records!r} nor a {outbox!r} collection: is it the "
                         "consumer's database? (a consumer with a mongo_client creates them when it starts)",
                     )
                 return await read_inbox_stats(client[database], options, outbox=outbox_options.collection)
@@ -174,17 +175,10 @@ def inbox_stats(
     if as_json:
         sys.stdout.write(json.dumps(stats, indent=2, sort_keys=True) + "\n")
         return
-    table = Table(title=f"inbox statistics: {database}")
-    table.add_column("handler", overflow="fold", ratio=1)
-    for column in STAT_COLUMNS:
-        # Two-line headers ("outbox" over "published") keep the table within 80 columns.
-        table.add_column(column.replace("_", "\n"), justify="right", no_wrap=True)
-    for handler, values in sorted(stats.items()):
-        table.add_row(handler, *(str(values[c]) for c in STAT_COLUMNS))
     if not stats:
         console.print(f"inbox statistics: {database}: no records and no outbox records yet")
         return
-    console.print(table)
+    print_inbox(console, database, stats, STAT_COLUMNS)
 
 
 def embedded(
