@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from .._lifecycle import Consumer
+from .._outbox import Outbox
 from .._plan.routes import routes_of
 from .._text import describe_value
 from .errors import fail
@@ -79,3 +80,14 @@ def load_consumer(target: str) -> Consumer:
 
 def consumer_urls(consumer: Consumer | None) -> str | None:
     return consumer.settings.amqp_url if consumer is not None else None
+
+
+def load_outbox(target: str) -> Outbox:
+    """Import ``module:attribute``, an :class:`~lily_mongo.Outbox` (for its ``sends()`` declarations)."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        fail(ExitCode.USAGE, f"--outbox: expected module:attribute (for example myservice:outbox), got {target!r}")
+    value = getattr(_imported(module_name), attribute, None)
+    if not isinstance(value, Outbox):
+        fail(ExitCode.USAGE, f"--outbox: {target} is not a lily_mongo.Outbox (got {type(value).__name__})")
+    return value

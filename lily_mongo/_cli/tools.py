@@ -27,7 +27,7 @@ from .errors import fail, reported, say, tell
 from .exit_codes import ExitCode
 from .options import DEFAULT_AMQP_URL, DEFAULT_MONGO_URI, MONGO_HINT, MongoOption, console, err_console
 from .tables import print_inbox
-from .target import load_consumer
+from .target import load_consumer, load_outbox
 
 if TYPE_CHECKING:
     from .demo import DemoResult
@@ -37,13 +37,21 @@ def asyncapi(
     ctx: typer.Context,
     target: Annotated[str, typer.Argument(help="module:consumer")],
     fmt: Annotated[str, typer.Option("--format", help="json or yaml")] = "yaml",
+    outboxes: Annotated[
+        list[str] | None,
+        typer.Option("--outbox", help="An Outbox (module:attribute) whose sends() declarations to add; repeatable."),
+    ] = None,
 ) -> None:
-    """Print the AsyncAPI 3.0 document of a consumer's handlers and declared outgoing messages."""
+    """Print the AsyncAPI 3.0 document of a consumer's handlers and declared outgoing messages (and those
+    of each --outbox)."""
     with reported(ctx):
         if fmt not in ("json", "yaml"):
             fail(ExitCode.USAGE, f"--format must be json or yaml, got {fmt!r}")
         consumer = load_consumer(target)
-        document = asyncapi_document(consumer.plan(), outgoing=consumer.outgoing)
+        outgoing = [*consumer.outgoing]
+        for where in outboxes or ():
+            outgoing += load_outbox(where).outgoing
+        document = asyncapi_document(consumer.plan(), outgoing=outgoing)
     if fmt == "json":
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
     else:
