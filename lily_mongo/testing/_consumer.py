@@ -48,9 +48,10 @@ class TestConsumer:
     and marked. With ``relay_outbox=False`` no dispatcher runs: the records stay in the
     outbox collection until :meth:`relay_outbox` publishes them as the backstop relay would.
 
-    The handlers' client is a copy of the consumer's with a command log (``watch_writes``): a
-    write that a handler under the inbox made outside ``mongo.session`` is named in its delivery's
-    result (:attr:`DeliveryResult.hint`, and its repr).
+    A client the consumer owns (``owns_mongo_client=True``) is closed on the way out, as a
+    started consumer closes it. The handlers' client is a copy of the consumer's with a command
+    log (``watch_writes``): a write that a handler under the inbox made outside ``mongo.session``
+    is named in its delivery's result (:attr:`DeliveryResult.hint`, and its repr).
     """
 
     __test__ = False  # not a pytest test class
@@ -127,6 +128,9 @@ class TestConsumer:
                 await self._lifespan.aclose()  # after every delivery and task, as a started consumer does
             finally:
                 await self._close_watched()
+                client = self._settings.mongo_client
+                if self._settings.owns_mongo_client and client is not None:
+                    await client.close()  # as a started consumer closes the client it owns
 
     async def _close_watched(self) -> None:
         watched_client, self._watched = self._watched, None

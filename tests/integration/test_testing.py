@@ -383,3 +383,18 @@ async def test_a_handler_writing_in_its_session_gets_no_hint(mongodb: MongoDB) -
         result = await tc.publish_json("ledger", {"order_id": "o1", "total": 1}, version=1)
     assert (result.outcome, result.hint, result.outside_session) == ("acked", "", ())
     assert tc.sessionless_writes == []
+
+
+async def test_a_client_the_consumer_owns_is_closed_on_the_way_out_and_another_is_not(mongodb: MongoDB) -> None:
+    owned: AsyncMongoClient[Any] = AsyncMongoClient(mongodb.uri)
+    consumer = Consumer(
+        amqp_url=NO_BROKER, name="owned", mongo_client=owned, owns_mongo_client=True, database=mongodb.name
+    )
+    consumer.include(correct_ledger)
+    async with TestConsumer(consumer) as tc:
+        assert (await tc.publish_json("ledger", {"order_id": "o1", "total": 1}, version=1)).outcome == "acked"
+    with pytest.raises(PyMongoError):  # InvalidOperation: the client was closed
+        await owned.admin.command("ping")
+    async with TestConsumer(ledger_consumer(mongodb.client, correct_ledger), database=mongodb.name):
+        pass
+    assert (await mongodb.client.admin.command("ping"))["ok"] == 1.0  # the caller's client stays open
