@@ -47,6 +47,7 @@ FIELDS = (
     "pid",
     "uri",
     "report",
+    "progress",
     "traceback",
     "trace_id",
     "span_id",

@@ -61,6 +61,7 @@ async def test_the_task_says_its_line_at_info_each_interval_and_once_more_when_c
             await task
     lines = [r.getMessage() for r in caplog.records if r.name == "lily_mongo"]
     assert all(r.levelno == logging.INFO for r in caplog.records)
+    assert getattr(caplog.records[-1], "progress", None) == {"acked": 5}  # the totals, for JSON logs
     assert lines[0].startswith("progress: 3 deliveries in "), lines
     assert lines[-1].startswith("progress: 2 deliveries in "), lines
     assert lines[-1].endswith("acked=2; 5 since start"), lines
