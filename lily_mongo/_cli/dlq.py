@@ -10,14 +10,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..dlq import DlqListing, list_dead_letters, replay_dead_letters
 from .errors import fail, reported, tell
 from .exit_codes import ExitCode
 from .options import AMQP_HINT, DEFAULT_AMQP_URL, AmqpOption, console
 from .tables import fits, listing_table, print_wide
 
 if TYPE_CHECKING:
-    pass
+    from ..dlq import DlqListing
 
 
 DLQ_COLUMNS: tuple[tuple[str, Callable[[Any], object]], ...] = (
@@ -85,6 +84,8 @@ def dlq_list(
     evidence does not back is shown as untrusted.
     """
     with reported(ctx, amqp_url, unreachable=AMQP_HINT):
+        from ..dlq import list_dead_letters  # the AMQP client: imported when the command runs
+
         listing = asyncio.run(list_dead_letters(amqp_url, queue, limit=limit))
     print_listing(listing, as_json, wide)
 
@@ -105,6 +106,8 @@ def dlq_replay(
     Give --event-id (repeatable) or --all, not both. An event id found on no message ends with
     status 1 (the others are replayed).
     """
+    from ..dlq import replay_dead_letters  # the AMQP client: imported when the command runs
+
     with reported(ctx, amqp_url, unreachable=AMQP_HINT):
         if replay_all and event_id:
             fail(ExitCode.USAGE, "give --event-id or --all, not both (--all would replay every message)")

@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from .._mongo import open_mongo
-from .._outbox import OutboxOptions, Relay
 from .errors import Settings, reported, say
 from .exit_codes import ExitCode
 from .logs import configure_logging
@@ -58,6 +56,9 @@ def relay(
         configure_logging(log_level, log_format, debug=settings is not None and settings.debug)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+
+    from .._mongo import open_mongo  # the package: imported when the command runs, not for --help
+    from .._outbox import OutboxOptions, Relay
 
     async def main() -> int:
         options = OutboxOptions(

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from .._lifecycle import Consumer
-from .._mongo import describe_client
 from .._redact import redact_url
 from .._signals import ShutdownSignals, graceful_notice
 from .._text import bind_reason
@@ -21,7 +19,7 @@ from .target import consumer_urls, load_consumer
 from .workers import WorkerLink
 
 if TYPE_CHECKING:
-    from .._lifecycle import ManagedConsumer
+    from .._lifecycle import Consumer, ManagedConsumer
     from .._supervision import ShutdownReport
     from .probes import ProbeServer
 
@@ -119,6 +117,8 @@ async def _run_consumer(
     def force() -> None:
         if managed is not None:
             managed.request_force()
+
+    from .._mongo import describe_client  # PyMongo: imported when a consumer runs, not for --help
 
     signals = ShutdownSignals(graceful, force, notice="stopping: the start is interrupted")
     uninstall = signals.install()

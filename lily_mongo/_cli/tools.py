@@ -14,15 +14,9 @@ import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .._inbox import STAT_COLUMNS, InboxOptions
-from .._inbox import inbox_stats as read_inbox_stats
-from .._mongo import mongo_errors, open_mongo
-from .._mongo.errors import MONGODB
-from .._outbox import OutboxOptions
 from .._redact import redact_url
 from .._signals import ShutdownSignals
 from .._text import bind_reason
-from ..asyncapi import asyncapi_document
 from .errors import fail, reported, say, tell
 from .exit_codes import ExitCode
 from .options import DEFAULT_AMQP_URL, DEFAULT_MONGO_URI, MONGO_HINT, MongoOption, console, err_console
@@ -47,6 +41,8 @@ def asyncapi(
     with reported(ctx):
         if fmt not in ("json", "yaml"):
             fail(ExitCode.USAGE, f"--format must be json or yaml, got {fmt!r}")
+        from ..asyncapi import asyncapi_document  # the package: imported when the command runs
+
         consumer = load_consumer(target)
         outgoing = [*consumer.outgoing]
         for where in outboxes or ():
@@ -160,6 +156,12 @@ def inbox_stats(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Completed records, live and expired leases, outbox pending/published/failed, per handler."""
+    from .._inbox import STAT_COLUMNS, InboxOptions  # the package: imported when the command runs
+    from .._inbox import inbox_stats as read_inbox_stats
+    from .._mongo import mongo_errors, open_mongo
+    from .._mongo.errors import MONGODB
+    from .._outbox import OutboxOptions
+
     options = InboxOptions(records=records)
     outbox_options = OutboxOptions(collection=outbox)
 

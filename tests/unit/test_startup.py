@@ -69,3 +69,14 @@ def test_version_is_answered_on_every_subcommand_without_loading_the_commands(ar
     first, modules = out.splitlines()[0], set(json.loads(out.splitlines()[-1]))
     assert first == f"lily-mongo {importlib.metadata.version('lily-mongo')}"
     assert heavy(modules) == []
+
+
+def test_help_loads_the_commands_but_not_pymongo_or_the_amqp_client() -> None:
+    probe = (
+        "import sys, json\nsys.argv = ['lily-mongo', '--help']\nfrom lily_mongo.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\nprint(json.dumps(sorted(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
+    modules = set(json.loads(out.splitlines()[-1]))
+    assert "lily_mongo._cli.app" in modules
+    assert {"pymongo", "aio_pika", "aiormq", "opentelemetry", "aiohttp", "mongoeco"} & modules == set()
