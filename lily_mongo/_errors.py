@@ -34,6 +34,9 @@ class ErrorCode(enum.StrEnum):
     SCHEMA_VERSION_UNSUPPORTED = "QUEUE_SCHEMA_VERSION_UNSUPPORTED"
     CONTENT_KIND_UNSUPPORTED = "QUEUE_CONTENT_KIND_UNSUPPORTED"
     PAYLOAD_DECODE_FAILED = "QUEUE_PAYLOAD_DECODE_FAILED"
+    # A body that decoded but that the payload's model refused (a pydantic validation error): the
+    # producer sent the wrong shape, not bytes nobody can read (docs/settlement.md).
+    PAYLOAD_INVALID = "QUEUE_PAYLOAD_INVALID"
     RETRIES_EXHAUSTED = "QUEUE_RETRIES_EXHAUSTED"
     DEFERRALS_EXHAUSTED = "QUEUE_DEFERRALS_EXHAUSTED"
     HANDLER_FAILED = "QUEUE_HANDLER_FAILED"

@@ -7,7 +7,7 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._errors import LilyError
 
@@ -66,6 +66,10 @@ class ShutdownReport:
     unresolved: int
     forced: bool
     succeeded: bool
+    totals: Mapping[str, int] = field(default_factory=dict)
+    """The run's totals: a consumer's deliveries by terminal outcome, a relay's records published (and
+    refused as unroutable), from start to stop; the report's last line."""
+    elapsed: float = 0.0  # seconds from start to the end of the shutdown
 
     @property
     def graceful(self) -> bool:
@@ -94,7 +98,14 @@ class ShutdownReport:
             lines.append(f"  {a.name:<18} {status} ({a.duration:.3f} s){': ' + a.error if a.error else ''}")
         if self.settled:
             lines.append("  settled during shutdown: " + ", ".join(f"{k}={v}" for k, v in sorted(self.settled.items())))
+        lines.append(render_totals(self.totals, self.elapsed))
         return "\n".join(lines)
+
+
+def render_totals(totals: Mapping[str, int], elapsed: float) -> str:
+    """The report's last line: ``run totals: acked=880, duplicate=120 in 42.0 s`` (``none`` for an idle run)."""
+    counts = ", ".join(f"{k}={v}" for k, v in sorted(totals.items()) if v) or "none"
+    return f"run totals: {counts} in {elapsed:.1f} s"
 
 
 class ShutdownSteps:

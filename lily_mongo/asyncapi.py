@@ -197,14 +197,17 @@ def _outgoing_extractor(message: OutgoingMessage) -> Extractor | None:
 
 
 def asyncapi_document(
-    plan: Plan,
+    plan: Plan | None,
     *,
     outgoing: Iterable[OutgoingMessage] = (),
     title: str | None = None,
     version: str = "1.0.0",
 ) -> dict[str, Any]:
     """Build the AsyncAPI 3.0.0 document of ``plan`` (and of the ``outgoing`` messages the service declares
-    with ``Consumer.sends``) as plain JSON-compatible data."""
+    with ``Consumer.sends`` or ``Outbox.sends``) as plain JSON-compatible data. ``plan=None`` documents
+    what a service that consumes nothing sends (a web application writing through an ``Outbox``)."""
+    if plan is None:
+        plan = Plan(title or "outbox", {}, {}, (), (), ())
     channels: dict[str, Any] = {}
     operations: dict[str, Any] = {}
     messages: dict[str, Any] = {}

@@ -8,11 +8,11 @@ tests/integration/test_docs_blocks.py, unless the line right above its fence is
 with a reason. A page runs one of two ways:
 
 * a **script page**: its runnable blocks run in order in one namespace (a module of
-  their own), so a block may use what an earlier one defined; top-level ``await``,
-  ``async with`` and ``async for`` work (each block is compiled with
-  ``ast.PyCF_ALLOW_TOP_LEVEL_AWAIT`` and awaited); a block that calls
-  ``asyncio.run(...)`` at its top level (a script's entry point) runs in a thread
-  of its own, where no event loop runs yet;
+  their own), as one plain script would: a block may use what an earlier one
+  defined; a top-level ``await``, ``async with`` or ``async for`` is refused, as
+  Python refuses it in a script (write ``async def main(): ...`` and
+  ``asyncio.run(main())``); a block that calls ``asyncio.run(...)`` at its top level
+  runs in a thread of its own, where no event loop runs yet, as in a script;
 * a **test page**: when a runnable block defines a top-level ``test_*`` function,
   the page's runnable blocks together are a pytest module, run by pytest in a
   subprocess (the package's pytest plugin, ``asyncio_mode = "auto"``); every test
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import inspect
 import re
 import sys
 import types
@@ -37,6 +36,7 @@ from typing import Any
 __all__ = [
     "Block",
     "MarkerError",
+    "NotAScript",
     "blocks",
     "compile_block",
     "is_test_page",
@@ -135,12 +135,22 @@ def is_test_page(page_blocks: list[Block]) -> bool:
     return bool(tests_defined(page_blocks))
 
 
+class NotAScript(SyntaxError):
+    """A block a plain script cannot run: an ``await``, ``async with`` or ``async for`` outside a function."""
+
+
 def compile_block(block: Block, code: str | None = None) -> types.CodeType:
-    """The block compiled so that tracebacks show the page and its own line numbers."""
+    """The block compiled as a plain script's code, so that tracebacks show the page and its own line numbers."""
     source = "\n" * (block.line - 1) + (block.code if code is None else code)
-    code_object: types.CodeType = compile(
-        source, block.page, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True
-    )
+    try:
+        code_object: types.CodeType = compile(source, block.page, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        if "outside" in (exc.msg or "") and ("await" in exc.msg or "async" in exc.msg):
+            raise NotAScript(
+                f"{block.page}:{exc.lineno}: {exc.msg}: a plain script cannot run this block; put the async code "
+                "in 'async def main() -> None:' and end the block with 'asyncio.run(main())'"
+            ) from exc
+        raise
     return code_object
 
 
@@ -178,9 +188,7 @@ async def run_script(page_blocks: list[Block], name: str, amqp_url: str, mongo_u
                 # in a thread of its own, where no event loop is running yet.
                 await asyncio.to_thread(eval, code, module.__dict__)
                 continue
-            result = eval(code, module.__dict__)
-            if inspect.iscoroutine(result):
-                await result
+            exec(code, module.__dict__)
     finally:
         del sys.modules[name]
     return module.__dict__

@@ -30,6 +30,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
 from . import dlq, relay, run, tools
 from .errors import Settings, tell
 from .exit_codes import EXIT_CODES, ExitCode
+from .helptext import tidy
 from .logs import configure_logging
 from .options import version
 
@@ -86,6 +87,7 @@ def main() -> None:
     """
     configure_logging()
     command = typer.main.get_command(app)
+    tidy(command)
     try:
         code = command.main(prog_name="lily-mongo", standalone_mode=False)
     except typer.TyperException as exc:  # typer's own click: UsageError and the others derive from it

@@ -163,7 +163,7 @@ class DemoResult:
     injected_failures: int = 0
     """Transient database failures injected with a failpoint (0 where the server refused it)."""
     emulator: bool = False
-    """The server was the embedded emulator (mongoeco), whose write conflicts are global."""
+    """The server was the embedded one (``lily_mongo.embedded``), whose write conflicts are per document."""
 
     @property
     def throughput(self) -> float:

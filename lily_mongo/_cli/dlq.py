@@ -9,15 +9,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
-from ..dlq import DlqListing, list_dead_letters, replay_dead_letters
 from .errors import fail, reported, tell
 from .exit_codes import ExitCode
 from .options import AMQP_HINT, DEFAULT_AMQP_URL, AmqpOption, console
+from .tables import fits, listing_table, print_wide
 
 if TYPE_CHECKING:
-    pass
+    from ..dlq import DlqListing
 
 
 DLQ_COLUMNS: tuple[tuple[str, Callable[[Any], object]], ...] = (
@@ -31,9 +30,6 @@ DLQ_COLUMNS: tuple[tuple[str, Callable[[Any], object]], ...] = (
 )
 
 
-WIDE_TABLE = 140  # below this width the DLQ listing is one block per message, not a table
-
-
 def print_listing(listing: DlqListing, as_json: bool, wide: bool = False) -> None:
     summary = (
         f"{listing.dlq}: {listing.total} message(s), {len(listing.messages)} listed "
@@ -44,17 +40,16 @@ def print_listing(listing: DlqListing, as_json: bool, wide: bool = False) -> Non
             sys.stdout.write(json.dumps(message.as_json()) + "\n")
         tell(summary)
         return
-    if wide or console.width >= WIDE_TABLE:
-        table = Table(title=summary, show_lines=False)
-        for name, _ in DLQ_COLUMNS:
-            # Whole values: an event id is never cut; long cells fold onto more lines.
-            table.add_column(name, overflow="fold", min_width=36 if name == "event id" else None)
-        for message in listing.messages:
-            table.add_row(*(str(cell(message)) for _, cell in DLQ_COLUMNS))
+    # Whole values: only the reason wraps (at its words); ids, codes, times and sizes never do.
+    rows = [[str(cell(message)) for _, cell in DLQ_COLUMNS] for message in listing.messages]
+    table = listing_table(summary, [name for name, _ in DLQ_COLUMNS], rows, prose="reason")
+    if wide:
+        print_wide(console, table)
+    elif fits(console, table):
         console.print(table)
     else:
-        # A narrow terminal: a table of seven columns would squeeze every cell, so each message is
-        # a block whose lines wrap at the terminal's width (--wide forces the table, --json is whole).
+        # A terminal too narrow for the whole table: each message is a block whose lines wrap at
+        # the terminal's width (--wide forces the table, --json is whole).
         console.print(summary, markup=False, highlight=False)
         for message in listing.messages:
             retries = "-" if message.retry_count is None else message.retry_count
@@ -76,7 +71,10 @@ def dlq_list(
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="List at most this many messages.")] = 100,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per message and line.")] = False,
     wide: Annotated[
-        bool, typer.Option("--wide", help="A table whatever the terminal's width (else below 140 columns, blocks).")
+        bool,
+        typer.Option(
+            "--wide", help="A table whatever the terminal's width (else one block per message where it does not fit)."
+        ),
     ] = False,
 ) -> None:
     """List dead-lettered messages, oldest first, leaving them in the DLQ (moved to its end).
@@ -86,6 +84,8 @@ def dlq_list(
     evidence does not back is shown as untrusted.
     """
     with reported(ctx, amqp_url, unreachable=AMQP_HINT):
+        from ..dlq import list_dead_letters  # the AMQP client: imported when the command runs
+
         listing = asyncio.run(list_dead_letters(amqp_url, queue, limit=limit))
     print_listing(listing, as_json, wide)
 
@@ -106,6 +106,8 @@ def dlq_replay(
     Give --event-id (repeatable) or --all, not both. An event id found on no message ends with
     status 1 (the others are replayed).
     """
+    from ..dlq import replay_dead_letters  # the AMQP client: imported when the command runs
+
     with reported(ctx, amqp_url, unreachable=AMQP_HINT):
         if replay_all and event_id:
             fail(ExitCode.USAGE, "give --event-id or --all, not both (--all would replay every message)")

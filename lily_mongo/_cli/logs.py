@@ -47,6 +47,7 @@ FIELDS = (
     "pid",
     "uri",
     "report",
+    "progress",
     "traceback",
     "trace_id",
     "span_id",
@@ -132,18 +133,15 @@ class _Context(logging.Filter):
         return True
 
 
-def _no_span() -> None:
-    return None
-
-
 def _span_ids_reader() -> Callable[[], tuple[str, str] | None]:
-    """Reads the current OpenTelemetry span's ids (W3C hex), when the API is installed."""
-    try:
-        from opentelemetry import trace
-    except ModuleNotFoundError:
-        return _no_span
+    """Reads the current OpenTelemetry span's ids (W3C hex). The API is not imported for it: while
+    nothing else imported ``opentelemetry.trace``, no span can be current (and a command that makes
+    none, ``--help``, does not pay for the import)."""
 
     def span_ids() -> tuple[str, str] | None:
+        trace = sys.modules.get("opentelemetry.trace")
+        if trace is None:
+            return None
         context = trace.get_current_span().get_span_context()
         if not context.is_valid:
             return None

@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from .._mongo import open_mongo
-from .._outbox import OutboxOptions, Relay
 from .errors import Settings, reported, say
 from .exit_codes import ExitCode
 from .logs import configure_logging
@@ -26,7 +24,7 @@ def relay(
     ],
     mongo_uri: MongoOption = DEFAULT_MONGO_URI,
     amqp_url: AmqpOption = DEFAULT_AMQP_URL,
-    collection: Annotated[str, typer.Option(help="The outbox collection (OutboxOptions.collection).")] = "lily_outbox",
+    collection: Annotated[str, typer.Option(help="The outbox collection (OutboxOptions' collection).")] = "lily_outbox",
     batch_size: Annotated[int, typer.Option(min=1, max=1000, help="Records claimed per batch.")] = 100,
     poll_interval: Annotated[
         float, typer.Option(min=0.01, max=3600, help="Seconds between polls while nothing is due.")
@@ -58,6 +56,9 @@ def relay(
         configure_logging(log_level, log_format, debug=settings is not None and settings.debug)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+
+    from .._mongo import open_mongo  # the package: imported when the command runs, not for --help
+    from .._outbox import OutboxOptions, Relay
 
     async def main() -> int:
         options = OutboxOptions(

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from .._lifecycle import Consumer
-from .._mongo import describe_client
 from .._redact import redact_url
 from .._signals import ShutdownSignals, graceful_notice
 from .._text import bind_reason
@@ -21,7 +19,7 @@ from .target import consumer_urls, load_consumer
 from .workers import WorkerLink
 
 if TYPE_CHECKING:
-    from .._lifecycle import ManagedConsumer
+    from .._lifecycle import Consumer, ManagedConsumer
     from .._supervision import ShutdownReport
     from .probes import ProbeServer
 
@@ -120,6 +118,8 @@ async def _run_consumer(
         if managed is not None:
             managed.request_force()
 
+    from .._mongo import describe_client  # PyMongo: imported when a consumer runs, not for --help
+
     signals = ShutdownSignals(graceful, force, notice="stopping: the start is interrupted")
     uninstall = signals.install()
     watch: asyncio.Task[None] | None = None
@@ -180,6 +180,8 @@ def print_report(report: ShutdownReport, as_json: bool, worker_index: int | None
             "graceful": report.graceful,
             "unresolved": report.unresolved,
             "settled": dict(report.settled),
+            "totals": dict(report.totals),
+            "elapsed": round(report.elapsed, 3),
             "actions": [
                 {"name": a.name, "ok": a.ok, "observed": a.observed, "error": a.error, "duration": round(a.duration, 3)}
                 for a in report.actions

@@ -10,13 +10,14 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from .._lifecycle import Consumer
-from .._plan.routes import routes_of
 from .._text import describe_value
 from .errors import fail
 from .exit_codes import ExitCode
 
 if TYPE_CHECKING:
+    from .._lifecycle import Consumer
+    from .._outbox import Outbox
+
     pass
 
 
@@ -40,6 +41,9 @@ def load_consumer(target: str) -> Consumer:
     Anything else (a class, an async function or ``@queue`` handler, a function that
     needs arguments or returns something else) is refused without being called on a guess.
     """
+    from .._lifecycle import Consumer  # the package: imported when a command needs a target, not for --help
+    from .._plan.routes import routes_of
+
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         fail(ExitCode.USAGE, f"expected module:attribute (for example myservice:consumer), got {target!r}")
@@ -79,3 +83,16 @@ def load_consumer(target: str) -> Consumer:
 
 def consumer_urls(consumer: Consumer | None) -> str | None:
     return consumer.settings.amqp_url if consumer is not None else None
+
+
+def load_outbox(target: str) -> Outbox:
+    """Import ``module:attribute``, an :class:`~lily_mongo.Outbox` (for its ``sends()`` declarations)."""
+    from .._outbox import Outbox
+
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        fail(ExitCode.USAGE, f"--outbox: expected module:attribute (for example myservice:outbox), got {target!r}")
+    value = getattr(_imported(module_name), attribute, None)
+    if not isinstance(value, Outbox):
+        fail(ExitCode.USAGE, f"--outbox: {target} is not a lily_mongo.Outbox (got {type(value).__name__})")
+    return value

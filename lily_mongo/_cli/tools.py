@@ -14,19 +14,14 @@ import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .._inbox import STAT_COLUMNS, InboxOptions
-from .._inbox import inbox_stats as read_inbox_stats
-from .._mongo import mongo_errors, open_mongo
-from .._mongo.errors import MONGODB
-from .._outbox import OutboxOptions
 from .._redact import redact_url
 from .._signals import ShutdownSignals
 from .._text import bind_reason
-from ..asyncapi import asyncapi_document
 from .errors import fail, reported, say, tell
 from .exit_codes import ExitCode
 from .options import DEFAULT_AMQP_URL, DEFAULT_MONGO_URI, MONGO_HINT, MongoOption, console, err_console
-from .target import load_consumer
+from .tables import print_inbox
+from .target import load_consumer, load_outbox
 
 if TYPE_CHECKING:
     from .demo import DemoResult
@@ -36,13 +31,23 @@ def asyncapi(
     ctx: typer.Context,
     target: Annotated[str, typer.Argument(help="module:consumer")],
     fmt: Annotated[str, typer.Option("--format", help="json or yaml")] = "yaml",
+    outboxes: Annotated[
+        list[str] | None,
+        typer.Option("--outbox", help="An Outbox (module:attribute) whose sends() declarations to add; repeatable."),
+    ] = None,
 ) -> None:
-    """Print the AsyncAPI 3.0 document of a consumer's handlers and declared outgoing messages."""
+    """Print the AsyncAPI 3.0 document of a consumer's handlers and declared outgoing messages (and those
+    of each --outbox)."""
     with reported(ctx):
         if fmt not in ("json", "yaml"):
             fail(ExitCode.USAGE, f"--format must be json or yaml, got {fmt!r}")
+        from ..asyncapi import asyncapi_document  # the package: imported when the command runs
+
         consumer = load_consumer(target)
-        document = asyncapi_document(consumer.plan(), outgoing=consumer.outgoing)
+        outgoing = [*consumer.outgoing]
+        for where in outboxes or ():
+            outgoing += load_outbox(where).outgoing
+        document = asyncapi_document(consumer.plan(), outgoing=outgoing)
     if fmt == "json":
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
     else:
@@ -113,8 +118,8 @@ def demo_legend(result: DemoResult) -> Table:
     replays = f"attempts re-run after a transient error ({result.injected_failures} injected) or a failed commit"
     if result.emulator:
         replays += (
-            "; on the embedded emulator most come from its global write conflicts: any write between a "
-            "transaction's first operation and its commit fails that commit (docs/emulator.md)"
+            "; the embedded server conflicts per document, as MongoDB does: a commit fails only when another "
+            "write reached one of its documents first (docs/emulator.md)"
         )
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
@@ -144,13 +149,19 @@ def inbox_stats(
     database: Annotated[str, typer.Argument(help="The consumer's database.")],
     mongo_uri: MongoOption = DEFAULT_MONGO_URI,
     records: Annotated[str, typer.Option(help="The inbox record collection (InboxOptions.records).")] = "lily_inbox",
-    outbox: Annotated[str, typer.Option(help="The outbox collection (OutboxOptions.collection).")] = "lily_outbox",
+    outbox: Annotated[str, typer.Option(help="The outbox collection (OutboxOptions' collection).")] = "lily_outbox",
     timeout: Annotated[
         float, typer.Option(min=0.1, max=600, help="Seconds to wait for a MongoDB server to answer.")
     ] = 10.0,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Completed records, live and expired leases, outbox pending/published/failed, per handler."""
+    from .._inbox import STAT_COLUMNS, InboxOptions  # the package: imported when the command runs
+    from .._inbox import inbox_stats as read_inbox_stats
+    from .._mongo import mongo_errors, open_mongo
+    from .._mongo.errors import MONGODB
+    from .._outbox import OutboxOptions
+
     options = InboxOptions(records=records)
     outbox_options = OutboxOptions(collection=outbox)
 
@@ -162,7 +173,7 @@ def inbox_stats(
                 if records not in present and outbox not in present:
                     fail(
                         ExitCode.USAGE,
-                        f"database {database!r} has neither a {records!r} nor an {outbox!r} collection: is it the "
+                        f"database {database!r} has neither a {records!r} nor a {outbox!r} collection: is it the "
                         "consumer's database? (a consumer with a mongo_client creates them when it starts)",
                     )
                 return await read_inbox_stats(client[database], options, outbox=outbox_options.collection)
@@ -174,17 +185,10 @@ def inbox_stats(
     if as_json:
         sys.stdout.write(json.dumps(stats, indent=2, sort_keys=True) + "\n")
         return
-    table = Table(title=f"inbox statistics: {database}")
-    table.add_column("handler", overflow="fold", ratio=1)
-    for column in STAT_COLUMNS:
-        # Two-line headers ("outbox" over "published") keep the table within 80 columns.
-        table.add_column(column.replace("_", "\n"), justify="right", no_wrap=True)
-    for handler, values in sorted(stats.items()):
-        table.add_row(handler, *(str(values[c]) for c in STAT_COLUMNS))
     if not stats:
         console.print(f"inbox statistics: {database}: no records and no outbox records yet")
         return
-    console.print(table)
+    print_inbox(console, database, stats, STAT_COLUMNS)
 
 
 def embedded(

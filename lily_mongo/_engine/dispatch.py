@@ -128,7 +128,14 @@ def prepare(plan: Plan, options: QueueOptions, message: InboundMessage) -> Prepa
         try:
             payload = terminal.extractor.extract(delivery)
         except PayloadDecodeError as exc:
-            return Rejected(PipelineResult(Outcome.PERMANENT, ErrorCode.PAYLOAD_DECODE_FAILED, str(exc)), envelope)
+            return Rejected(
+                PipelineResult(
+                    Outcome.PERMANENT,
+                    exc.code if isinstance(exc.code, ErrorCode) else ErrorCode.PAYLOAD_DECODE_FAILED,
+                    str(exc),
+                ),
+                envelope,
+            )
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
             return Rejected(PipelineResult(Outcome.PERMANENT, ErrorCode.PAYLOAD_DECODE_FAILED, reason), envelope)

@@ -120,9 +120,12 @@ class RecordStore:
             if lifetime is None:
                 lifetime = DEFAULT_TRANSACTION_LIFETIME
                 read = "MongoDB's default transaction lifetime (the server did not answer getParameter)"
-                log.info(
-                    "the server did not say its transactionLifetimeLimitSeconds (getParameter refused); the inbox "
-                    "assumes %g s: set InboxOptions.transaction_lifetime_seconds if it differs",
+                # A plain fact, at DEBUG: a server that does not answer getParameter (an emulator, a
+                # restricted user) almost always runs with MongoDB's default (docs/inbox.md).
+                log.debug(
+                    "the server did not answer getParameter (getParameter refused): the inbox assumes MongoDB's "
+                    "default transactionLifetimeLimitSeconds, %g s (InboxOptions.transaction_lifetime_seconds "
+                    "gives another)",
                     lifetime,
                 )
         self.lifetime = lifetime

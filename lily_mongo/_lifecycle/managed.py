@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -19,6 +20,7 @@ from .._mongo import check_mongo
 from .._outbox import ProcessOutbox
 from .._plan.outgoing import OutgoingMessage
 from .._plan.plan import Plan
+from .._progress import Progress, outcome_totals
 from .._signals import ShutdownSignals, graceful_notice
 from .._snapshots import Snapshot, TerminalObservation
 from .._supervision import Lifecycle, ShutdownReport, State
@@ -60,6 +62,7 @@ class ManagedConsumer:
         self._graceful_timeout = settings.graceful_timeout
         self._force_timeout = settings.force_timeout
         self._supervisor: asyncio.Task[ShutdownReport] = asyncio.get_running_loop().create_future()  # type: ignore[assignment]
+        self._progress = Progress(lambda: outcome_totals(self.snapshot()), "deliveries")
 
     def __repr__(self) -> str:
         return f"<ManagedConsumer name={self._settings.name!r} state={self.state}>"
@@ -144,6 +147,7 @@ class ManagedConsumer:
             await self._wiring.start(self._tasks)
         raise_if_cancel_requested()  # a cancel the AMQP library absorbed on the way still stops the start
         self._lifecycle.enter(State.RUNNING)
+        self._tasks.spawn(self._progress.run(), name="lily-progress")  # cancelled, and said last, at tasks_join
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="lily-supervisor")
 
     async def _teardown_after_failed_start(self) -> None:
@@ -240,4 +244,5 @@ class ManagedConsumer:
             self._lifespan,
             force_requested=self._force_requested,
         )
-        return await sequence.run()
+        report = await sequence.run()
+        return dataclasses.replace(report, totals=outcome_totals(self.snapshot()), elapsed=self._progress.elapsed())

@@ -276,6 +276,8 @@ async def write_outcomes(
                     )
                 )
                 counters.published += result.matched_count
+                if counters.pending is not None:  # the count between two refreshes agrees with the marks
+                    counters.pending = max(0, counters.pending - result.matched_count)
             except PyMongoError:
                 # Published but not marked: the claim expires and the records are published again.
                 counters.marks_lost(len(chunk), "marking published")

@@ -24,6 +24,7 @@ from .._checks import check_amqp_url, check_bool, check_database_name, check_sec
 from .._errors import ConfigError, LilyError
 from .._mongo import mongo_error
 from .._observer import NO_OBSERVER, Observer
+from .._progress import Progress
 from .._redact import redact_url
 from .._signals import ShutdownSignals, graceful_notice
 from .._snapshots import Snapshot
@@ -93,6 +94,9 @@ class Relay:
         self._force_requested = asyncio.Event()
         self._supervisor: asyncio.Future[ShutdownReport] | None = None
         self._unwatch: Callable[[], None] = _nothing
+        self._progress = Progress(self._published, "outbox records")
+        self._transport: object | None = None  # the last connection transport seen
+        self._generations = 0  # the transport generation: one more for each new connection transport
 
     def __repr__(self) -> str:
         return f"<Relay name={self.name!r} amqp={redact_url(self._url)!r} state={self.state}>"
@@ -131,12 +135,24 @@ class Relay:
         """The relay's outbox parts (for the library's own tests)."""
         return self._process
 
+    def _published(self) -> dict[str, int]:
+        counters = self._process.counters
+        return {"published": counters.published, "unroutable": counters.unroutable}
+
+    def _generation(self) -> int:
+        """1 for the first connection transport, one more for each new one (0 before any connection)."""
+        transport = getattr(self._connection, "transport", None)
+        if transport is not None and transport is not self._transport:
+            self._transport = transport
+            self._generations += 1
+        return self._generations
+
     def snapshot(self) -> Snapshot:
         """The outbox counts: pending and failed (refreshed every ``count_interval``), published, unroutable."""
         counters = self._process.counters
         return Snapshot(
             self.state,
-            0,
+            self._generation(),
             (),
             outbox_pending=counters.pending,
             outbox_failed=counters.failed,
@@ -169,6 +185,7 @@ class Relay:
         if self._telemetry is not None:
             self._unwatch = self._telemetry.watch(lambda: (self.snapshot(), ()))
         self._state = State.RUNNING
+        self._tasks.spawn(self._progress.run(), name="lily-relay-progress")
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="lily-relay-supervisor")
 
     async def run(self) -> ShutdownReport:
@@ -246,6 +263,8 @@ class Relay:
             unresolved=0,
             forced=forced,
             succeeded=all(a.ok and a.observed for a in actions),
+            totals=self._published(),
+            elapsed=self._progress.elapsed(),
         )
 
     async def _close_steps(self) -> list[ShutdownAction]:

@@ -17,6 +17,7 @@ from .._mongo import TransactionScope, error_labels, mongo_error, rules
 from .._mongo import transactions as transaction
 from .._mongo.transactions import Replay
 from .._observer import NO_OBSERVER, Observer
+from .._plan.outgoing import DeclaresOutgoing
 from .._tasks import TaskSet
 from .._text import describe_value
 from ..publisher import CustomPublishContent, OpenClose, PublishOptions, ResourceState, TypedPublishing
@@ -62,7 +63,7 @@ class OutboxTransaction(TransactionScope, TypedPublishing):
         return await self._writer.publish(content, routing_key, payload, version=version, **options)
 
 
-class Outbox(OpenClose):
+class Outbox(OpenClose, DeclaresOutgoing):
     """The transactional outbox for code outside handlers (a web endpoint, a script).
 
     ``await outbox.transaction(fn)`` runs ``fn(tx)`` in a fresh session and transaction

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import orjson
 import pydantic
 
-from .._errors import PlanError
+from .._errors import ErrorCode, PlanError
 from .._fast import slot_constructor
 
 if TYPE_CHECKING:
@@ -51,6 +51,14 @@ NOT_DECODED: Any = object()
 
 class PayloadDecodeError(Exception):
     """A terminal extractor could not decode the body (mapped to QUEUE_PAYLOAD_DECODE_FAILED)."""
+
+    code: ErrorCode = ErrorCode.PAYLOAD_DECODE_FAILED
+
+
+class PayloadInvalidError(PayloadDecodeError):
+    """The body decoded, but the payload's model refused it (mapped to QUEUE_PAYLOAD_INVALID)."""
+
+    code = ErrorCode.PAYLOAD_INVALID
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +130,7 @@ class _JsonExtractor(Extractor):
         except pydantic.ValidationError as exc:
             first = exc.errors(include_url=False, include_input=False)[:3]
             where = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in first)
-            raise PayloadDecodeError(f"{exc.error_count()} validation error(s): {where}") from None
+            raise PayloadInvalidError(f"{exc.error_count()} validation error(s): {where}") from None
 
 
 class _TextExtractor(Extractor):

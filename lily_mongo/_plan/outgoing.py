@@ -21,7 +21,7 @@ from ..bounds import BOUNDS
 from ..envelope import check_content_kind
 from .options import check_name
 
-__all__ = ["OutgoingMessage"]
+__all__ = ["DeclaresOutgoing", "OutgoingMessage"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,3 +71,36 @@ class OutgoingMessage:
     def key(self) -> tuple[str, str, int, str]:
         """What makes two declarations the same: (exchange, routing key, version, content)."""
         return (self.exchange, self.routing_key, self.version, self.content)
+
+
+class DeclaresOutgoing:
+    """``sends(...)`` for a writer of outbox records that is not a consumer (the standalone ``Outbox``): what
+    it publishes, declared for the AsyncAPI document (``asyncapi_document(..., outgoing=outbox.outgoing)``,
+    ``lily-mongo asyncapi TARGET --outbox module:outbox``)."""
+
+    __slots__ = ()
+
+    def sends(
+        self, routing_key: str, *, version: int, content: str = "json", payload: Any = None, exchange: str = ""
+    ) -> OutgoingMessage:
+        """Declare a message this writer publishes; the AsyncAPI document describes it as a ``send``
+        operation (with ``payload``'s JSON Schema for json content)."""
+        message = OutgoingMessage(
+            routing_key=routing_key, version=version, content=content, payload=payload, exchange=exchange
+        )
+        declared = self._declared()
+        if any(known.key == message.key for known in declared):
+            raise ConfigError(f"sends({routing_key!r:.60}, version={version}, content={content!r}) is declared twice")
+        declared.append(message)
+        return message
+
+    @property
+    def outgoing(self) -> tuple[OutgoingMessage, ...]:
+        """The messages declared with :meth:`sends`, in declaration order."""
+        return tuple(self._declared())
+
+    def _declared(self) -> list[OutgoingMessage]:
+        declared: list[OutgoingMessage] | None = self.__dict__.get("_outgoing_declared")
+        if declared is None:
+            declared = self.__dict__["_outgoing_declared"] = []
+        return declared

@@ -10,8 +10,10 @@ a handler that asks for none of it is called exactly as before.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
+import logging
 import types
 import typing
 from collections.abc import Callable
@@ -119,6 +121,35 @@ def _unwrap(annotation: Any) -> tuple[Any, list[Any]]:
     return annotation, []
 
 
+def _from_faststream(thing: object) -> bool:
+    module = getattr(thing, "__module__", None) or getattr(type(thing), "__module__", "")
+    return isinstance(module, str) and module.split(".", 1)[0] == "faststream"
+
+
+def _habit_hint(name: str, base: Any, shown: str, default: Any) -> str:
+    """What a parameter written the FastStream way means here (docs/handlers.md): '' when it is not one."""
+    if isinstance(default, Depends | Resource):
+        mark = default if isinstance(default, Resource) else f"Depends({getattr(default.factory, '__name__', '...')})"
+        return (
+            f": {mark} as a default value is FastStream's form; here the mark goes in the annotation, "
+            f"{name}: Annotated[{shown}, {mark}]"
+        )
+    if _from_faststream(default) or _from_faststream(base) or base is logging.Logger:
+        return (
+            ": FastStream's Context has no equivalent here; the delivery's facts are EventId, RetryCount, "
+            "Redelivered and RawDelivery, a shared object is Annotated[T, Resource(name)] (the lifespan's "
+            "resources), a logger is logging.getLogger(...) at module level"
+        )
+    if base is str:
+        return ": did you mean Text (the body as text), or Json[str]?"
+    if base is bytes:
+        return ": did you mean Bytes (the body as bytes)?"
+    is_model = isinstance(base, type) and (hasattr(base, "model_validate") or dataclasses.is_dataclass(base))
+    if is_model or typing.get_origin(base) in (dict, list) or base in (dict, list):
+        return f": did you mean Json[{shown}] (the body decoded as JSON and validated as {shown})?"
+    return ""
+
+
 def _name_of(fn: object) -> str:
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     if name is None and isinstance(fn, functools.partial):
@@ -218,8 +249,9 @@ class _Resolver:
         if base is RawDelivery:
             return Parameter(name, RawDeliveryExtractor())
         shown = getattr(base, "__name__", None) or repr(base)
+        hint = _habit_hint(name, base, shown, param.default)
         raise PlanError(
-            f"{here} of type {shown} is not injectable; use Json[T], Text, Bytes, EventId, RetryCount, "
+            f"{here} of type {shown} is not injectable{hint}; use Json[T], Text, Bytes, EventId, RetryCount, "
             "Redelivered, RawDelivery, MongoScope, MongoDatabase, Annotated[T, Depends(factory)], "
             "Annotated[T, Resource(name)] or Annotated[T, Extractor()]"
         )

@@ -22,9 +22,11 @@ from .._tasks import TaskSet
 from ..publisher import BINARY, JSON, TEXT, CustomPublishContent, prepare_publication
 from ._results import DeliveryResult, PublishedMessage
 from ._transport import InProcessMessage
+from ._writes import SessionlessWrite, WriteLog, watched
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.database import AsyncDatabase
+    from pymongo.asynchronous.mongo_client import AsyncMongoClient
 
 
 _MAX_REDELIVERIES = 50
@@ -45,6 +47,11 @@ class TestConsumer:
     records them in :attr:`published`; each ``publish_*`` returns once they are published
     and marked. With ``relay_outbox=False`` no dispatcher runs: the records stay in the
     outbox collection until :meth:`relay_outbox` publishes them as the backstop relay would.
+
+    A client the consumer owns (``owns_mongo_client=True``) is closed on the way out, as a
+    started consumer closes it. The handlers' client is a copy of the consumer's with a command
+    log (``watch_writes``): a write that a handler under the inbox made outside ``mongo.session``
+    is named in its delivery's result (:attr:`DeliveryResult.hint`, and its repr).
     """
 
     __test__ = False  # not a pytest test class
@@ -56,12 +63,17 @@ class TestConsumer:
         database: str | None = None,
         relay_outbox: bool = True,
         raise_handler_errors: bool = False,
+        watch_writes: bool = True,
     ) -> None:
         self._consumer = consumer
         self._settings = consumer.settings
         self._database = database or self._settings.database
         self._relay_outbox = relay_outbox
         self._raise_handler_errors = check_bool("raise_handler_errors", raise_handler_errors)
+        self._watch_writes = check_bool("watch_writes", watch_writes)
+        self._writes: WriteLog | None = None
+        self._watched: AsyncMongoClient[Any] | None = None
+        self._inbox_queues: frozenset[str] = frozenset()
         self._lifespan = contextlib.AsyncExitStack()
         self._tasks = TaskSet()
         self._wiring: Wiring | None = None
@@ -69,6 +81,8 @@ class TestConsumer:
         self._retries_delivered = 0
         self.published: list[PublishedMessage] = []
         """Every retry copy, DLQ copy and relayed outbox message, in order."""
+        self.sessionless_writes: list[SessionlessWrite] = []
+        """Every write a handler under the inbox made outside ``mongo.session`` (with ``watch_writes``)."""
         self.requeued: list[InProcessMessage] = []
         """Deliveries that ended with a requeue (deferred, handoff failed): the broker would redeliver them."""
 
@@ -78,6 +92,16 @@ class TestConsumer:
         settings = dataclasses.replace(
             self._settings, name=f"{self._settings.name}:test", database=self._database, telemetry=None
         )
+        client = settings.mongo_client
+        if client is not None and self._watch_writes:
+            self._writes = WriteLog({settings.inbox.records, settings.outbox.collection})
+            self._watched = watched(client, self._writes)
+            if self._watched is not None:
+                settings = dataclasses.replace(settings, mongo_client=self._watched)
+        by_queue: dict[str, set[str]] = {}
+        for route in plan.handlers:
+            by_queue.setdefault(route.queue, set()).add(route.guarantee)
+        self._inbox_queues = frozenset(q for q, guarantees in by_queue.items() if guarantees == {"inbox"})
         self._dlq_names = frozenset(options.dlq_name for options in plan.queues.values())
         try:
             resources = await enter_lifespan(settings.lifespan, self._consumer, plan, self._lifespan)
@@ -86,6 +110,7 @@ class TestConsumer:
             )
         except BaseException:
             await self._lifespan.aclose()
+            await self._close_watched()
             raise
         self._wiring.open_in_process(self._tasks, self._record_outbox if self._relay_outbox else None)
         return self
@@ -99,7 +124,18 @@ class TestConsumer:
             if self._wiring is not None:
                 self._wiring.engine.failures.flush()
         finally:
-            await self._lifespan.aclose()  # after every delivery and task, as a started consumer does
+            try:
+                await self._lifespan.aclose()  # after every delivery and task, as a started consumer does
+            finally:
+                await self._close_watched()
+                client = self._settings.mongo_client
+                if self._settings.owns_mongo_client and client is not None:
+                    await client.close()  # as a started consumer closes the client it owns
+
+    async def _close_watched(self) -> None:
+        watched_client, self._watched = self._watched, None
+        if watched_client is not None:
+            await watched_client.close()
 
     @property
     def database(self) -> AsyncDatabase[Any]:
@@ -176,7 +212,12 @@ class TestConsumer:
         engine = self._wiring.engine
         if message.queue not in engine.queues:
             raise ConfigError(f"queue {message.queue!r} has no handler in this consumer")
+        mark = len(self._writes.writes) if self._writes is not None else 0
         exception = await engine.deliver(message.queue, message)
+        outside: tuple[SessionlessWrite, ...] = ()
+        if self._writes is not None and self._watched is not None and message.queue in self._inbox_queues:
+            outside = tuple(self._writes.since(mark))
+            self.sessionless_writes += outside
         # Its own: the engine records a delivery's observation last thing before deliver() returns, with no
         # wait between, so deliveries run at once (publish_many, asyncio.gather) each find their own.
         recorded = engine.observations.items()
@@ -188,7 +229,7 @@ class TestConsumer:
             await self.relay_outbox()
         if self._raise_handler_errors and exception is not None and not isinstance(exception, QueueHandlerError):
             raise exception
-        return DeliveryResult(observation, message.settled, exception)
+        return DeliveryResult(observation, message.settled, exception, outside)
 
     # -- what the broker would do next -------------------------------------------------------
 

@@ -11,14 +11,15 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ConfigError, ErrorCode
+from .._errors import ConfigError, ErrorCode, QueueHandlerError
 from .._lifecycle import Consumer
 from .._mongo.rules import TRANSIENT_LABEL
 from .._text import truncate_utf8
 from ..publisher import JSON, CustomPublishContent
 from ._consumer import _MAX_REDELIVERIES, TestConsumer
 from ._faults import Faults
-from ._results import _SETTLED, DeliveryResult
+from ._results import DeliveryResult
+from ._writes import SessionlessWrite, outside_session_hint
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.database import AsyncDatabase
@@ -52,6 +53,18 @@ _WRITE_COMMANDS = ("insert", "update", "delete", "findAndModify")
 
 
 _DIFF_LINES = 40
+
+
+_SUCCEEDED = frozenset({"acked", "duplicate"})
+
+
+def _handled(result: DeliveryResult) -> bool:
+    """A clean delivery's end that the handler chose: acked, or refused on purpose (a permanent
+    ``QueueHandlerError``, dead-lettered at once). Retries spent on any other failure are not."""
+    if result.outcome in _SUCCEEDED:
+        return True
+    refused = result.exception
+    return result.outcome == "dead_lettered" and isinstance(refused, QueueHandlerError) and not refused.is_retryable
 
 
 _DIFF_LINE_BYTES = 200
@@ -88,7 +101,7 @@ class _Check:
                 result = await self.publish(tc, event_id, payload)
                 ends.append(([result, *await tc.deliver_retries()])[-1])
         for (event_id, _), result in zip(self.events, ends, strict=True):
-            if result.outcome not in _SETTLED:
+            if not _handled(result):
                 raise _clean_failure(event_id, result, self.inbox)
 
     async def run_batches(self, tc: TestConsumer, scenarios: tuple[str, ...]) -> list[DeliveryResult]:
@@ -186,20 +199,32 @@ def _bounded_diff(clean: Any, other: Any, label: str) -> str:
 def _clean_failure(event_id: uuid.UUID, result: DeliveryResult, inbox: bool) -> AssertionError:
     message = (
         f"check_idempotent: a clean delivery (no duplicate, no fault) of event {event_id} ended "
-        f"{result.outcome} ({result.code}: {result.reason}); the handler must succeed on its own first"
+        f"{result.outcome} ({result.code}: {result.reason}), not acked; the handler must succeed on its own "
+        "first (or refuse the event with a permanent QueueHandlerError)"
     )
-    if inbox and (result.code == ErrorCode.REPLAY_BUDGET_SPENT or result.observation.transient_replays):
+    if result.hint:
+        message += f". {result.hint}"
+    elif inbox and (result.code == ErrorCode.REPLAY_BUDGET_SPENT or result.observation.transient_replays):
         message += (
             ". Its attempts were replayed without any fault injected: the likely cause is a write outside "
-            "mongo.session (pass session=mongo.session to every operation on mongo.database; a server "
-            "that conflicts on any concurrent write, as the embedded one does, fails the attempt's own "
-            "commit on such a write every time)"
+            "mongo.session, or a write that conflicts with another on the same document"
         )
-    elif result.exception is not None:
+    if result.exception is not None:
         message += f". The handler raised {type(result.exception).__name__}: {result.exception}"
     error = AssertionError(message)
     error.__cause__ = result.exception
     return error
+
+
+def _outside_failure(writes: list[SessionlessWrite]) -> AssertionError:
+    """The handler wrote outside its attempt's transaction: a replay would repeat the write."""
+    collections = sorted({f"{w.database}.{w.collection}" for w in writes})
+    return AssertionError(
+        "check_idempotent: the handler wrote outside its attempt's transaction, into "
+        + ", ".join(repr(name) for name in collections)
+        + f" ({len(writes)} write{'s' if len(writes) != 1 else ''} in a clean run); such a write survives the "
+        "attempt's abort and a replay makes it again. Likely cause: " + outside_session_hint(writes)
+    )
 
 
 async def check_idempotent(
@@ -225,12 +250,14 @@ async def check_idempotent(
 
     Handlers of either guarantee are checked: an at-least-once handler writes through
     ``MongoDatabase`` (the fresh databases), and its transient fault is a failed write
-    (a retry follows). A clean delivery that does not succeed fails the check too; when
-    it was replayed without any fault, the message names the likely cause (a write
-    outside ``mongo.session``). A batch handler's queue gets its events delivered together, so
-    that they form batches: under each fault in turn, then with two copies of every event in
-    one batch and more in later batches, then as two concurrent sets. All databases are dropped
-    afterwards. Needs a server that supports ``configureFailPoint`` (see :class:`Faults`).
+    (a retry follows). A clean delivery that does not end acked fails the check too,
+    naming its outcome. A handler under the inbox whose clean run writes outside
+    ``mongo.session`` (the command log of :class:`TestConsumer` shows a write outside any
+    transaction) fails it, naming the collection and the likely cause. A batch handler's
+    queue gets its events delivered together, so that they form batches: under each fault in
+    turn, then with two copies of every event in one batch and more in later batches, then as
+    two concurrent sets. All databases are dropped afterwards. Needs a server that supports
+    ``configureFailPoint`` (see :class:`Faults`).
     """
     settings = consumer.settings
     client = settings.mongo_client
@@ -264,6 +291,8 @@ async def check_idempotent(
         used.append(clean_name)
         async with TestConsumer(consumer, database=clean_name) as clean:
             await check.clean_run(clean)
+        if clean.sessionless_writes:
+            raise _outside_failure(clean.sessionless_writes)
         clean_state = await read_state(client[clean_name])
         rough_state = await state_after(_SCENARIOS, f"{base}_rough")
         if rough_state == clean_state:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .._headers import EVENT_ID_HEADER
 from .._snapshots import TerminalObservation
 from .._text import truncate_utf8
+from ._writes import SessionlessWrite, outside_session_hint
 
 if TYPE_CHECKING:
     pass
@@ -46,12 +47,20 @@ class DeliveryResult:
     settlement: str | None  # the settlement written: "ack", "nack_requeue", "reject" or None
     exception: BaseException | None = None
     """What the handler (or its middleware, guards or factories) raised on the last attempt, or None."""
+    outside_session: tuple[SessionlessWrite, ...] = ()
+    """The writes of this delivery's handler (under the inbox) made outside ``mongo.session``."""
 
     def __repr__(self) -> str:
         # One short line, so that a failed ``assert result.outcome == "acked"`` shows the cause.
         shown = "None" if self.exception is None else truncate_utf8(repr(self.exception), _EXCEPTION_REPR_BYTES)
         code = None if self.code is None else str(self.code)  # a plain string, not an ErrorCode member
-        return f"DeliveryResult(outcome={self.outcome!r}, code={code!r}, exception={shown})"
+        hint = f", hint={self.hint!r}" if self.hint else ""
+        return f"DeliveryResult(outcome={self.outcome!r}, code={code!r}, exception={shown}{hint})"
+
+    @property
+    def hint(self) -> str:
+        """The likely cause of a failure the handler's code made, when the command log shows one; else ''."""
+        return outside_session_hint(list(self.outside_session))
 
     @property
     def outcome(self) -> str:

@@ -110,6 +110,14 @@ async def test_the_readme_service_runs_on_the_embedded_mongodb_as_written(
             result = await process.stop(timeout=30)
         assert result.returncode == 0, result.describe()
         assert result.stdout.startswith("shutdown succeeded"), result.describe()
+        # At the default log level the work is visible: a progress line with the counts by outcome and
+        # the rate, and the report's last line with the run's totals.
+        progress = [line for line in result.stderr.splitlines() if "progress: " in line]
+        assert progress, result.describe()
+        assert "INFO" in progress[-1], result.describe()
+        assert "/s): acked=1, duplicate=1; 2 since start" in progress[-1], result.describe()
+        assert re.fullmatch(r"run totals: acked=1, duplicate=1 in \d+\.\d s", result.stdout.splitlines()[-1])
+        assert "transactionLifetimeLimitSeconds" not in result.stderr, result.describe()
         # Both copies were ACKed (an unsettled one would be back in the queue), the order applied once.
         assert await broker.depths(q, f"{q}.dlq") == [0, 0]
         assert await client.shop.orders.find({}).to_list() == [{"_id": "A1", "total": 500}]

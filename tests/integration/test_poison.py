@@ -61,6 +61,7 @@ class Poison:
 INVALID = "QUEUE_ENVELOPE_INVALID"
 TOO_MUCH = "QUEUE_METADATA_BOUNDS_EXCEEDED"
 UNDECODABLE = "QUEUE_PAYLOAD_DECODE_FAILED"
+REFUSED = "QUEUE_PAYLOAD_INVALID"
 
 POISON = [
     Poison("no-headers", INVALID, lambda: None),
@@ -75,7 +76,7 @@ POISON = [
     Poison("unsupported-version", "QUEUE_SCHEMA_VERSION_UNSUPPORTED", lambda: envelope(x_lily_schema_version="2")),
     Poison("unsupported-content-kind", "QUEUE_CONTENT_KIND_UNSUPPORTED", lambda: envelope(x_lily_content_kind="text")),
     Poison("broken-json", UNDECODABLE, body=b'{"id": 1, "sku": '),
-    Poison("validation-failure", UNDECODABLE, body=b'{"id": "seven", "sku": "A-1"}'),
+    Poison("validation-failure", REFUSED, body=b'{"id": "seven", "sku": "A-1"}'),
     Poison("oversize-header-value", TOO_MUCH, lambda: {**envelope(), "x-note": oversized(9 * 1024)}),
     # Each value is within its own bound, so a bounded subset may be carried on the copy.
     Poison(

@@ -228,7 +228,7 @@ async def test_refusals_dead_letter_and_dispatch_failures_skip_middleware_and_gu
         str(by_hg): "GUARD_HANDLER_NO",
         str(no_version): "QUEUE_SCHEMA_VERSION_UNSUPPORTED",
         str(no_content): "QUEUE_CONTENT_KIND_UNSUPPORTED",
-        str(undecodable): "QUEUE_PAYLOAD_DECODE_FAILED",
+        str(undecodable): "QUEUE_PAYLOAD_INVALID",  # {"n": "six"}: JSON the model refuses
     }
     for event in (by_mw, by_cg, by_hg, no_version, no_content, undecodable):
         assert observed[event].outcome == "dead_lettered"

@@ -6,7 +6,6 @@ Every consumer here points at a closed AMQP port: a test passing proves the brok
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +27,7 @@ from lily_mongo import (
     RetryPolicy,
     queue,
 )
+from lily_mongo.publisher import JSON, prepare_publication
 from lily_mongo.testing import DeliveryResult, Faults, TestConsumer, check_idempotent
 from tests.support.mongo import MongoDB
 
@@ -134,7 +134,11 @@ async def test_contract_cases_go_through_the_same_checks(tc: TestConsumer) -> No
     wrong_version = await tc.publish_json("orders", {"order_id": "x", "total": 1}, version=9)
     assert wrong_version.code == "QUEUE_SCHEMA_VERSION_UNSUPPORTED"
     bad_body = await tc.publish_json("orders", {"order_id": "x"}, version=1)
-    assert bad_body.code == "QUEUE_PAYLOAD_DECODE_FAILED"
+    assert bad_body.code == "QUEUE_PAYLOAD_INVALID"  # JSON that the model refuses
+    broken = await tc.publish_raw(
+        "orders", headers=prepare_publication(JSON, "orders", {}, version=1).headers, body=b'{"order_id": '
+    )
+    assert broken.code == "QUEUE_PAYLOAD_DECODE_FAILED"  # not JSON at all
     text = await tc.publish_text("orders", "hello", version=1)
     assert text.code == "QUEUE_CONTENT_KIND_UNSUPPORTED"
 
@@ -296,12 +300,101 @@ async def test_check_idempotent_passes_a_correct_handler(mongodb: MongoDB, failp
 async def test_check_idempotent_finds_a_handler_that_writes_outside_its_session(
     mongodb: MongoDB, failpoints: Faults
 ) -> None:
-    # On MongoDB the replayed write doubles the ledger (the transient fault scenario differs);
-    # the emulator fails the attempt's commit on the write outside the session every time, so
-    # the clean run itself is replayed until its budget is spent. Either way the handler is
-    # refused, and the message names the likely cause.
+    # The command log shows the upsert outside any transaction in the clean run itself.
     with pytest.raises(AssertionError) as info:
         await check_idempotent(ledger_consumer(mongodb.client, leaky_ledger), "ledger", PAYLOADS, ledger)
     message = str(info.value)
-    assert re.match(r"check_idempotent: (the handler is not idempotent|a clean delivery)", message), message
-    assert "write outside mongo.session" in message, message
+    assert message.startswith("check_idempotent: the handler wrote outside its attempt's transaction, into '")
+    assert ".ledger' (3 writes in a clean run)" in message, message
+    assert "a write outside mongo.session? 'ledger' (upsert)" in message, message
+
+
+@queue("ledger", version=1, handler_id="ledger.v1")
+async def fixed_id_outside(order: Json[Order], mongo: MongoScope) -> None:
+    await mongo.database["payments"].insert_one({"_id": order.order_id, "total": order.total})
+
+
+@queue("ledger", version=1, handler_id="ledger.v1")
+async def generated_id_outside(order: Json[Order], mongo: MongoScope) -> None:
+    await mongo.database["payments"].insert_one({"order": order.order_id, "total": order.total})
+
+
+@queue("ledger", version=1, handler_id="ledger.v1")
+async def inc_outside(order: Json[Order], mongo: MongoScope) -> None:
+    await mongo.database["payments"].insert_one({"_id": order.order_id, "n": 0}, session=mongo.session)
+    await mongo.database["payments"].update_one({"_id": "tally"}, {"$inc": {"n": order.total}})
+
+
+@queue("ledger", version=1, handler_id="ledger.v1")
+async def upsert_outside(order: Json[Order], mongo: MongoScope) -> None:
+    await mongo.database["payments"].update_one({"_id": order.order_id}, {"$set": {"n": order.total}}, upsert=True)
+
+
+async def payments(database: Any) -> list[Any]:
+    return sorted(str(doc.get("order", doc["_id"])) for doc in await database["payments"].find({}).to_list())
+
+
+@pytest.mark.parametrize(
+    ("handler", "shape"),
+    [(fixed_id_outside, "insert"), (generated_id_outside, "insert"), (inc_outside, "$inc"), (upsert_outside, "upsert")],
+    ids=["fixed _id", "generated _id", "$inc", "upsert"],
+)
+async def test_check_idempotent_fails_every_shape_of_write_outside_the_session_naming_the_collection(
+    mongodb: MongoDB, failpoints: Faults, handler: Any, shape: str
+) -> None:
+    with pytest.raises(AssertionError) as info:
+        await check_idempotent(ledger_consumer(mongodb.client, handler), "ledger", PAYLOADS, payments)
+    message = str(info.value)
+    assert message.startswith("check_idempotent: the handler wrote outside its attempt's transaction, into '")
+    assert f"a write outside mongo.session? 'payments' ({shape}) written without session=mongo.session" in message
+
+
+@queue("ledger", version=1, handler_id="ledger.v1")
+async def never_succeeds(order: Json[Order], mongo: MongoScope) -> None:
+    await mongo.database["payments"].insert_one({"_id": order.order_id}, session=mongo.session)
+    raise RuntimeError("the gateway is down")
+
+
+async def test_check_idempotent_fails_a_handler_that_never_succeeds_naming_the_outcome(
+    mongodb: MongoDB, failpoints: Faults
+) -> None:
+    with pytest.raises(AssertionError) as info:
+        await check_idempotent(ledger_consumer(mongodb.client, never_succeeds), "ledger", PAYLOADS, payments)
+    message = str(info.value)
+    assert message.startswith("check_idempotent: a clean delivery (no duplicate, no fault) of event "), message
+    assert " ended dead_lettered (QUEUE_RETRIES_EXHAUSTED: " in message, message
+    assert "last QUEUE_HANDLER_FAILED: RuntimeError: the gateway is down), not acked;" in message, message
+    assert message.endswith("The handler raised RuntimeError: the gateway is down"), message
+
+
+async def test_a_result_names_a_write_outside_the_session_behind_a_duplicate_key_error(mongodb: MongoDB) -> None:
+    consumer = ledger_consumer(mongodb.client, fixed_id_outside)
+    async with TestConsumer(consumer, database=mongodb.name) as tc:
+        await mongodb.client[mongodb.name]["payments"].insert_one({"_id": "o1"})  # as an earlier attempt left it
+        result = await tc.publish_json("ledger", {"order_id": "o1", "total": 1}, version=1)
+    assert (result.outcome, result.code) == ("retried", "QUEUE_HANDLER_FAILED")
+    assert type(result.exception).__name__ == "DuplicateKeyError"
+    assert result.hint.startswith("a write outside mongo.session? 'payments' (insert) written without")
+    assert ", hint=\"a write outside mongo.session? 'payments' (insert)" in repr(result)
+
+
+async def test_a_handler_writing_in_its_session_gets_no_hint(mongodb: MongoDB) -> None:
+    async with TestConsumer(ledger_consumer(mongodb.client, correct_ledger), database=mongodb.name) as tc:
+        result = await tc.publish_json("ledger", {"order_id": "o1", "total": 1}, version=1)
+    assert (result.outcome, result.hint, result.outside_session) == ("acked", "", ())
+    assert tc.sessionless_writes == []
+
+
+async def test_a_client_the_consumer_owns_is_closed_on_the_way_out_and_another_is_not(mongodb: MongoDB) -> None:
+    owned: AsyncMongoClient[Any] = AsyncMongoClient(mongodb.uri)
+    consumer = Consumer(
+        amqp_url=NO_BROKER, name="owned", mongo_client=owned, owns_mongo_client=True, database=mongodb.name
+    )
+    consumer.include(correct_ledger)
+    async with TestConsumer(consumer) as tc:
+        assert (await tc.publish_json("ledger", {"order_id": "o1", "total": 1}, version=1)).outcome == "acked"
+    with pytest.raises(PyMongoError):  # InvalidOperation: the client was closed
+        await owned.admin.command("ping")
+    async with TestConsumer(ledger_consumer(mongodb.client, correct_ledger), database=mongodb.name):
+        pass
+    assert (await mongodb.client.admin.command("ping"))["ok"] == 1.0  # the caller's client stays open

@@ -604,3 +604,23 @@ def test_an_outgoing_payload_schema_checks_what_the_outbox_would_publish() -> No
 
 def test_without_declarations_there_is_no_send_operation(shop: dict[str, Any]) -> None:
     assert {op["action"] for op in shop["operations"].values()} == {"receive"}
+
+
+def test_a_standalone_outbox_declares_its_events_for_the_document(validator: jsonschema.Draft7Validator) -> None:
+    from pymongo import AsyncMongoClient
+
+    from lily_mongo import ConfigError, Outbox
+
+    outbox = Outbox(AsyncMongoClient("mongodb://127.0.0.1:27017/", connect=False), "shop", name="web")
+    outbox.sends("orders.confirmed", version=1, payload=OrderConfirmed)
+    with pytest.raises(ConfigError, match="is declared twice"):
+        outbox.sends("orders.confirmed", version=1)
+    assert [m.routing_key for m in outbox.outgoing] == ["orders.confirmed"]
+    alone = asyncapi_document(None, outgoing=outbox.outgoing, title="web")  # a service that consumes nothing
+    validator.validate(alone)
+    assert alone["info"]["title"] == "web"
+    assert list(alone["operations"]) == ["send.orders.confirmed"]
+    consumer = consumer_with_outgoing()
+    together = asyncapi_document(consumer.plan(), outgoing=[*consumer.outgoing[1:], *outbox.outgoing])
+    validator.validate(together)
+    assert "send.orders.confirmed" in together["operations"]

@@ -50,6 +50,7 @@ BODY_TOO_LARGE = "QUEUE_BODY_TOO_LARGE"
 SCHEMA_VERSION_UNSUPPORTED = "QUEUE_SCHEMA_VERSION_UNSUPPORTED"
 CONTENT_KIND_UNSUPPORTED = "QUEUE_CONTENT_KIND_UNSUPPORTED"
 PAYLOAD_DECODE_FAILED = "QUEUE_PAYLOAD_DECODE_FAILED"
+PAYLOAD_INVALID = "QUEUE_PAYLOAD_INVALID"
 HANDLER_FAILED = "QUEUE_HANDLER_FAILED"
 GUARD_REJECTED = "QUEUE_GUARD_REJECTED"
 
@@ -326,22 +327,25 @@ def test_several_versions_and_contents_on_one_queue_select_by_the_pair() -> None
 
 
 @pytest.mark.parametrize(
-    "body",
+    ("body", "code"),
     [
-        pytest.param(b'{"order_id": 7, "lines": [', id="truncated-json"),
-        pytest.param(b"not json at all", id="not-json"),
-        pytest.param(b"", id="empty-body"),
-        pytest.param(b'{"order_id": "seven", "lines": []}', id="wrong-field-type"),
-        pytest.param(b'{"order_id": 7}', id="missing-field"),
-        pytest.param(b"[1, 2, 3]", id="array-not-object"),
+        pytest.param(b'{"order_id": 7, "lines": [', PAYLOAD_DECODE_FAILED, id="truncated-json"),
+        pytest.param(b"not json at all", PAYLOAD_DECODE_FAILED, id="not-json"),
+        pytest.param(b"", PAYLOAD_DECODE_FAILED, id="empty-body"),
+        pytest.param(b'{"order_id": "seven", "lines": []}', PAYLOAD_INVALID, id="wrong-field-type"),
+        pytest.param(b'{"order_id": 7}', PAYLOAD_INVALID, id="missing-field"),
+        pytest.param(b"[1, 2, 3]", PAYLOAD_INVALID, id="array-not-object"),
     ],
 )
-def test_a_body_the_json_model_cannot_decode_is_a_permanent_decode_failure(body: bytes) -> None:
+def test_a_body_the_json_model_cannot_decode_or_validate_is_a_permanent_failure_of_its_own_code(
+    body: bytes, code: str
+) -> None:
+    # Bytes that are not JSON are undecodable; JSON that the model refuses is invalid.
     trace = Trace()
     plan = build(order_handler(trace))
     outcome = rejected(plan, Message(envelope(), body=body))
     assert outcome.result.outcome is Outcome.PERMANENT
-    assert outcome.result.code == PAYLOAD_DECODE_FAILED
+    assert outcome.result.code == code
     assert outcome.envelope is not None
     assert outcome.envelope.event_id == uuid.UUID(EVENT_ID)
     assert trace.events == []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
@@ -121,10 +120,22 @@ def test_a_test_pages_module_keeps_each_block_on_its_page_lines() -> None:
     assert source.splitlines() == ["", "import os", *[""] * 7, "def test_a(): ..."]
 
 
-async def test_a_script_page_runs_in_order_in_one_namespace_with_top_level_await() -> None:
-    text = "```python\nimport asyncio\nvalues = []\n```\n```python\nawait asyncio.sleep(0)\nvalues.append(1)\n```\n"
+async def test_a_script_page_runs_in_order_in_one_namespace_as_a_plain_script() -> None:
+    text = (
+        "```python\nimport asyncio\nvalues = []\n```\n"
+        "```python\nasync def main():\n    await asyncio.sleep(0)\n    values.append(1)\n\nasyncio.run(main())\n```\n"
+    )
     namespace = await docblocks.run_script(docblocks.blocks(text, "page.md"), "docs_probe", "amqp://x/", "mongodb://y/")
     assert namespace["values"] == [1]
+
+
+@pytest.mark.parametrize(
+    "code", ["await asyncio.sleep(0)", "async with lock:\n    pass", "async for x in y:\n    pass"]
+)
+async def test_a_block_a_plain_script_cannot_run_is_refused_with_the_way_out(code: str) -> None:
+    text = f"```python\nimport asyncio\n{code}\n```\n"
+    with pytest.raises(docblocks.NotAScript, match=r"page\.md:3: .*outside.*asyncio\.run\(main\(\)\)"):
+        await docblocks.run_script(docblocks.blocks(text, "page.md"), "docs_probe", "amqp://x/", "mongodb://y/")
 
 
 async def test_a_failing_block_names_its_page_and_line() -> None:
@@ -138,5 +149,5 @@ async def test_a_failing_block_names_its_page_and_line() -> None:
 @pytest.mark.parametrize("page", PAGES, ids=lambda path: path.name)
 def test_every_page_reads_and_every_marker_has_a_reason(page: Path) -> None:
     for block in docblocks.blocks(page.read_text(), page.name):
-        if block.not_runnable is None:  # what runs must at least compile (the integration test runs it)
-            compile(block.code, block.page, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        if block.not_runnable is None:  # what runs must compile as a plain script (the integration test runs it)
+            compile(block.code, block.page, "exec", dont_inherit=True)

@@ -9,6 +9,7 @@ wrong bounds table fails here as well as a wrong check. Sizes are UTF-8 bytes.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Annotated, Any
@@ -19,12 +20,14 @@ from lily_mongo import (
     Bytes,
     ConfigError,
     Consumer,
+    Depends,
     EventId,
     Extractor,
     Json,
     PlanError,
     RawDelivery,
     Redelivered,
+    Resource,
     RetryCount,
     Text,
 )
@@ -437,6 +440,63 @@ def test_uninjectable_parameter_is_rejected() -> None:
 
     error = plan_error(queue("q", version=1)(handler))
     assert_names(error, "'count'", "int", "not injectable")
+
+
+def test_a_bare_model_parameter_asks_whether_json_was_meant() -> None:
+    async def handler(order: Order) -> None:
+        return None
+
+    error = plan_error(queue("q", version=1)(handler))
+    assert_names(error, "parameter 'order' of type Order is not injectable: did you mean Json[Order]")
+
+
+def test_a_depends_default_names_the_annotated_form() -> None:
+    def get_rate() -> int:
+        return 3
+
+    async def handler(rate: int = Depends(get_rate)) -> None:  # type: ignore[assignment]  # the FastStream habit
+        return None
+
+    error = plan_error(queue("q", version=1)(handler))
+    assert_names(
+        error,
+        "parameter 'rate' of type int is not injectable: Depends(get_rate) as a default value is FastStream's form",
+        "rate: Annotated[int, Depends(get_rate)]",
+    )
+
+
+def test_a_resource_default_names_the_annotated_form() -> None:
+    async def handler(client: object = Resource("http")) -> None:
+        return None
+
+    assert_names(plan_error(queue("q", version=1)(handler)), "client: Annotated[object, Resource('http')]")
+
+
+# What FastStream's Context() looks like to the check (FastStream is not installed, and never imported).
+Context = type("Context", (), {"__module__": "faststream._internal.context"})
+
+
+def test_a_context_style_parameter_names_what_replaces_it() -> None:
+    async def handler(message: dict[str, Any] = Context()) -> None:  # noqa: B008 - the FastStream habit
+        return None
+
+    async def logged(logger: logging.Logger) -> None:
+        return None
+
+    for handler_fn in (handler, logged):
+        error = plan_error(queue("q", version=1)(handler_fn))
+        assert_names(error, "FastStream's Context has no equivalent here", "EventId, RetryCount", "Resource(name)")
+
+
+def test_str_and_bytes_parameters_name_text_and_bytes() -> None:
+    async def as_text(body: str) -> None:
+        return None
+
+    async def as_bytes(body: bytes) -> None:
+        return None
+
+    assert_names(plan_error(queue("q", version=1)(as_text)), "did you mean Text")
+    assert_names(plan_error(queue("q", version=1)(as_bytes)), "did you mean Bytes")
 
 
 def test_variadic_and_positional_only_parameters_are_rejected() -> None:
