@@ -36,7 +36,7 @@ AmqpOption = Annotated[
     typer.Option(
         "--amqp-url",
         envvar="LILY_AMQP_URL",
-        help="RabbitMQ URL; a cluster's nodes as a comma-separated host list: amqp://u:p@h1:5672,h2:5672/vhost.",
+        help="RabbitMQ URL; for a cluster, its nodes as a comma-separated host list (amqp://u:p@h1,h2/).",
     ),
 ]
 
