@@ -17,6 +17,7 @@ from .._amqp import connect_amqp
 from .._clock import utcnow
 from .._mongo import server_clock_offset
 from .._mongo.transactions import majority_reads
+from .._nodes import join_nodes, split_nodes
 from .._observer import NO_OBSERVER, Observer
 from .._tasks import TaskSet
 from .dispatcher import OutboxDispatcher
@@ -38,10 +39,14 @@ CLOCK_INTERVAL = 30.0
 
 def outbox_url(url: str) -> str:
     """``url`` for the outbox's own connection: its connection name (``name=``, what the broker's
-    management lists) says it is the outbox's, ``<name> (outbox)``, or ``lily-mongo outbox``."""
-    parsed = URL(url)
-    name = parsed.query.get("name")
-    return str(parsed.update_query(name=f"{name} (outbox)" if name else "lily-mongo outbox"))
+    management lists) says it is the outbox's, ``<name> (outbox)``, or ``lily-mongo outbox``; a
+    cluster's host list stays one (docs/deployment.md, "Clusters")."""
+    named = []
+    for node in split_nodes(url):
+        parsed = URL(node)
+        name = parsed.query.get("name")
+        named.append(str(parsed.update_query(name=f"{name} (outbox)" if name else "lily-mongo outbox")))
+    return named[0] if len(named) == 1 else join_nodes(named)
 
 
 # -- one process's outbox ---------------------------------------------------------------------------

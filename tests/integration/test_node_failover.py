@@ -7,8 +7,12 @@ from __future__ import annotations
 import pytest
 from yarl import URL
 
-from lily_mongo import Publisher, TransportError
+from lily_mongo import EventId, MongoScope, Publisher, TransportError, queue
 from lily_mongo._amqp import connect_amqp, connected_node
+from tests.support.broker import Broker
+from tests.support.consumers import outcomes, running
+from tests.support.mongo import MongoDB
+from tests.support.polling import eventually
 
 
 def with_dead_nodes(amqp: str) -> tuple[str, str]:
@@ -42,3 +46,21 @@ async def test_no_node_answering_names_every_node_without_the_password() -> None
         "(127.0.0.1:1 (connection refused), 127.0.0.1:2 (connection refused))"
     )
     assert "s3cret" not in message
+
+
+async def test_a_consumer_and_its_outbox_connect_through_a_host_list(broker: Broker, mongodb: MongoDB) -> None:
+    """The consumer's own connection and its outbox's (a connection of its own) both take the list."""
+    url, _ = with_dead_nodes(broker.url)
+    q, down = broker.queue("listed"), await broker.declare(broker.queue("listed-down"))
+
+    @queue(q, version=1, content="json")
+    async def forward(event_id: EventId, mongo: MongoScope) -> None:
+        await mongo.outbox.publish_json(down, {"from": str(event_id)}, version=1)
+
+    consumer = broker.consumer(q, forward, name="listed", mongodb=mongodb, amqp_url=url)
+    async with running(consumer) as managed:
+        event = await broker.publish(q)
+        await eventually(lambda: managed.snapshot().outbox_published == 1, what="the outbox message published")
+    [message] = await broker.drain(down)
+    assert message.body == b'{"from":"' + str(event).encode() + b'"}'
+    assert outcomes(managed) == ["acked"]

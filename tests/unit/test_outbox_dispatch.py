@@ -19,6 +19,7 @@ from bson.errors import InvalidBSON
 from yarl import URL
 
 from lily_mongo._errors import PublishError
+from lily_mongo._nodes import split_nodes
 from lily_mongo._outbox import FixedTransport, OutboxCounters, OutboxDispatcher, OutboxOptions, OutboxRelay, protocol
 from lily_mongo._outbox import dispatcher as dispatcher_module
 from lily_mongo._outbox.outcomes import BREAKER_MAX, Breaker
@@ -319,3 +320,9 @@ def test_the_outbox_connection_is_named_after_the_consumers() -> None:
         "/vh",
     )
     assert URL(outbox_url("amqp://127.0.0.1/")).query["name"] == "lily-mongo outbox"
+
+
+def test_the_outbox_connection_of_a_cluster_keeps_its_host_list() -> None:
+    url = outbox_url("amqp://u:p@h1:5672,h2:5673,h3/vh?name=svc")
+    assert url.startswith("amqp://u:p@h1:5672,h2:5673,h3/vh?")
+    assert [URL(node).query["name"] for node in split_nodes(url)] == ["svc (outbox)"] * 3
