@@ -65,20 +65,38 @@ async def statuses(mongodb: MongoDB) -> dict[str, int]:
 # -- a broker that stops reading ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("hold", "options", "confirm_timeout"),
+    [
+        pytest.param(HOLD_SECONDS, FAST_RETRY, 0.5, id="8s-fast-retries"),
+        # The defaults (10 attempts, backoff to 60 s, a 10 s confirm timeout) through a 3-minute stall,
+        # what a memory or disk alarm lasts: before failure classes, it parked every record.
+        pytest.param(
+            180.0,
+            OutboxOptions(poll_interval=0.2, count_interval=0.5),
+            10.0,
+            id="3min-defaults",
+            marks=pytest.mark.timeout(420),
+        ),
+    ],
+)
 async def test_a_broker_that_stops_reading_parks_nothing_and_every_record_is_delivered_once_it_reads(
-    mongodb: MongoDB, broker: Broker
+    mongodb: MongoDB, broker: Broker, hold: float, options: OutboxOptions, confirm_timeout: float
 ) -> None:
-    """Held bytes time out every confirm (a transport failure): no attempt counted, nothing parked with
-    max_attempts 2; once the bytes flow, all 20 records are delivered and marked published."""
+    """Held bytes time out every confirm (a transport failure): no attempt counted, nothing parked;
+    once the bytes flow, all 20 records are delivered and marked published."""
     down = await broker.declare(broker.queue("down"))
     outbox = mongodb.db[OUTBOX]
     records = [outbox_record(down, {"n": i}) for i in range(20)]
-    relay = OutboxRelay(outbox, FAST_RETRY, "relay-held")
-    async with HoldingProxy.fronting_broker(broker.url) as proxy, relay_on(proxy.url(broker.url), relay, 0.5):
+    relay = OutboxRelay(outbox, options, "relay-held")
+    async with (
+        HoldingProxy.fronting_broker(broker.url) as proxy,
+        relay_on(proxy.url(broker.url), relay, confirm_timeout),
+    ):
         proxy.hold()
         try:
             await outbox.insert_many(records)
-            await asyncio.sleep(HOLD_SECONDS)
+            await asyncio.sleep(hold)
             assert await outbox.count_documents({"status": "failed"}) == 0
         finally:
             proxy.flow()
@@ -86,7 +104,9 @@ async def test_a_broker_that_stops_reading_parks_nothing_and_every_record_is_del
         async def all_published() -> bool:
             return (await statuses(mongodb)).get("published", 0) == len(records)
 
-        await eventually(all_published, what="every record published once the broker reads", timeout=30)
+        # after the stall, the breaker's wait (at most 30 s) and a record's backoff (at most backoff_max)
+        wait = 30 + options.backoff_max + 2 * confirm_timeout
+        await eventually(all_published, what="every record published once the broker reads", timeout=wait)
     assert await statuses(mongodb) == {"published": len(records)}
     assert {doc["attempts"] for doc in await outbox.find({}).to_list()} == {0}
     # At least once: a publish held by the proxy may arrive besides its retry.
