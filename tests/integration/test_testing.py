@@ -297,14 +297,20 @@ async def test_check_idempotent_passes_a_correct_handler(mongodb: MongoDB, failp
     await check_idempotent(ledger_consumer(mongodb.client, correct_ledger), "ledger", PAYLOADS, ledger)
 
 
+async def fails_outside_the_session(mongodb: MongoDB, handler: Any, state: Any) -> str:
+    """check_idempotent's failure for ``handler``, which must say it wrote outside its transaction."""
+    with pytest.raises(AssertionError) as info:
+        await check_idempotent(ledger_consumer(mongodb.client, handler), "ledger", PAYLOADS, state)
+    message = str(info.value)
+    assert message.startswith("check_idempotent: the handler wrote outside its attempt's transaction, into '")
+    return message
+
+
 async def test_check_idempotent_finds_a_handler_that_writes_outside_its_session(
     mongodb: MongoDB, failpoints: Faults
 ) -> None:
     # The command log shows the upsert outside any transaction in the clean run itself.
-    with pytest.raises(AssertionError) as info:
-        await check_idempotent(ledger_consumer(mongodb.client, leaky_ledger), "ledger", PAYLOADS, ledger)
-    message = str(info.value)
-    assert message.startswith("check_idempotent: the handler wrote outside its attempt's transaction, into '")
+    message = await fails_outside_the_session(mongodb, leaky_ledger, ledger)
     assert ".ledger' (3 writes in a clean run)" in message, message
     assert "a write outside mongo.session? 'ledger' (upsert)" in message, message
 
@@ -342,10 +348,7 @@ async def payments(database: Any) -> list[Any]:
 async def test_check_idempotent_fails_every_shape_of_write_outside_the_session_naming_the_collection(
     mongodb: MongoDB, failpoints: Faults, handler: Any, shape: str
 ) -> None:
-    with pytest.raises(AssertionError) as info:
-        await check_idempotent(ledger_consumer(mongodb.client, handler), "ledger", PAYLOADS, payments)
-    message = str(info.value)
-    assert message.startswith("check_idempotent: the handler wrote outside its attempt's transaction, into '")
+    message = await fails_outside_the_session(mongodb, handler, payments)
     assert f"a write outside mongo.session? 'payments' ({shape}) written without session=mongo.session" in message
 
 
