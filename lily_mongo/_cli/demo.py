@@ -228,7 +228,7 @@ async def _publish_workload(amqp_url: str, work_queue: str, workload: Workload, 
         for index in rng.sample(valid, min(workload.duplicates, len(valid))):
             await publisher.publish_json(work_queue, workload.orders[index], version=1, event_id=event_ids[index])
             sent += 1
-    connection = await aio_pika.connect(amqp_url)
+    connection = await connect_amqp(amqp_url, robust=False)
     try:
         channel = await connection.channel(publisher_confirms=True)
         good = {"x-lily-schema-version": "1", "x-lily-content-kind": "json"}
@@ -312,7 +312,7 @@ async def _run_demo(
         except TransportError as exc:
             advice = "; is it running? Check LILY_MONGO_URI" if exc.unreachable else ""
             raise TransportError(f"{exc}{advice}", unreachable=exc.unreachable) from exc
-        connection = await aio_pika.connect(amqp_url)
+        connection = await connect_amqp(amqp_url, robust=False)
         channel = await connection.channel()
         managed: ManagedConsumer | None = None
         report: ShutdownReport | None = None
