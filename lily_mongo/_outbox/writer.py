@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Final, cast
+
+import bson
 
 from .._clock import Clock, utcnow
-from .._errors import ScopeClosedError
+from .._errors import ConfigError, ScopeClosedError
 from .._observer import NO_OBSERVER, Observer
 from ..publisher import CustomPublishContent, PublishOptions, TypedPublishing, prepare_publication
 from . import protocol
 from .protocol import Claim
+
+# MongoDB's document limit, less what the relay's claim and marks add to a record later (owner,
+# token, times, a failure reason of at most 512 bytes): a record that fits now fits them too, so
+# none fails its batch's claim (docs/outbox.md, "Failure classes").
+MAX_RECORD_BYTES: Final = 16 * 1024 * 1024 - 4 * 1024
+# Below this body size a record cannot come near the limit (the headers are bounded to 32 KiB):
+# only larger ones are encoded to be measured.
+_MEASURED_FROM: Final = MAX_RECORD_BYTES - 64 * 1024
 
 if TYPE_CHECKING:
     from pymongo.asynchronous.client_session import AsyncClientSession
@@ -103,6 +113,11 @@ class OutboxWriter(TypedPublishing):
             seq=seq,
             claim=self.claim,
         )
+        if len(publication.body) > _MEASURED_FROM and (size := len(bson.encode(record))) > MAX_RECORD_BYTES:
+            raise ConfigError(
+                f"an outbox record of {size} bytes (body {len(publication.body)} bytes) exceeds {MAX_RECORD_BYTES} "
+                "bytes: MongoDB's 16 MiB document limit less 4 KiB for the relay's claim and marks"
+            )
         await self._collection.insert_one(record, session=self._session)
         self.records.append(record)
         if len(self.records) > 1 and self.records[-2]["seq"] > seq:  # concurrent publishes finished out of order

@@ -336,3 +336,20 @@ async def test_every_write_outside_the_transaction_is_majority_and_the_read_back
     inserts = [e for e in on_outbox if e.command_name == "insert"]
     assert inserts
     assert all("txnNumber" in e.command for e in inserts)
+
+
+async def test_a_record_too_large_for_the_relay_s_claim_is_refused_naming_its_size(mongodb: MongoDB) -> None:
+    """A record that fits MongoDB's 16 MiB only without the claim's and the marks' fields would fail its
+    whole batch's claim later: refused at the write, the transaction not committed."""
+    outbox = Outbox(mongodb.client, mongodb.name, options=OutboxOptions(max_body=16 * 1024 * 1024))
+    body = b"x" * (16 * 1024 * 1024 - 2 * 1024)  # under the body bound, over the record bound
+
+    async def place(tx: OutboxTransaction) -> None:
+        await tx.database[ORDERS].insert_one({"_id": "big"}, session=tx.session)
+        await tx.publish_binary("orders.placed", body, version=1)
+
+    with pytest.raises(ConfigError) as refused:
+        await outbox.transaction(place)
+    assert str(refused.value).startswith("an outbox record of ")
+    assert f"(body {len(body)} bytes) exceeds {16 * 1024 * 1024 - 4 * 1024} bytes" in str(refused.value)
+    assert await counts(mongodb) == (0, 0)
