@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -61,6 +61,8 @@ class Served(Protocol):
     @property
     def state(self) -> str: ...
 
+    def not_ready_because(self) -> str | None: ...
+
     @property
     def telemetry(self) -> Telemetry | None: ...
 
@@ -70,13 +72,6 @@ class Served(Protocol):
     def snapshot(self) -> Snapshot: ...
 
     async def wait(self) -> ShutdownReport: ...
-
-
-@runtime_checkable
-class Explained(Protocol):
-    """A served object that says why it is not ready (a :class:`~lily_mongo.ManagedConsumer`)."""
-
-    def not_ready_because(self) -> str | None: ...
 
 
 class MetricsCollector:
@@ -189,9 +184,7 @@ class ProbeServer:
         managed = self.managed
         if managed is not None and managed.ready:
             return web.Response(text="ready\n")
-        reason = "starting" if managed is None else managed.state
-        if isinstance(managed, Explained):
-            reason = managed.not_ready_because() or reason
+        reason = "starting" if managed is None else (managed.not_ready_because() or managed.state)
         return web.Response(status=503, text=f"not ready: {reason}\n")
 
     async def _metrics(self, _request: web.Request) -> web.Response:

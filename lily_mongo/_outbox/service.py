@@ -119,7 +119,13 @@ class Relay:
     @property
     def ready(self) -> bool:
         """True while running with its channel open (a readiness probe)."""
-        return self._state is State.RUNNING and self._process.ready
+        return self.not_ready_because() is None
+
+    def not_ready_because(self) -> str | None:
+        """Why :attr:`ready` is False, in words (the state, or the relay's channel), or None."""
+        if self._state is not State.RUNNING:
+            return str(self._state.value)
+        return None if self._process.ready else "the relay's channel is not open"
 
     @property
     def telemetry(self) -> Telemetry | None:

@@ -244,6 +244,7 @@ def fake_consumer(telemetry: Telemetry | None) -> Any:
         queue_names=("orders.created",),
         ready=True,
         state="running",
+        not_ready_because=lambda: None,
         telemetry=telemetry,
     )
 
