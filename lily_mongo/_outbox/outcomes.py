@@ -53,7 +53,9 @@ def own_fault(exc: BaseException, *, alone: bool) -> bool:
         if exc.kind in ("unroutable", "invalid"):
             return True
         return exc.kind == "closed" and alone and amqp_failure(exc.__cause__ or exc) in _REFUSALS
-    return amqp_failure(exc) is None  # TimeoutError, OSError, aiormq's errors: the transport's
+    # An error no AMQP table names (a malformed record) is the record's; TimeoutError, OSError and
+    # aiormq's errors are the transport's.
+    return amqp_failure(exc) is None
 
 
 def _kind(exc: BaseException) -> str:

@@ -146,7 +146,7 @@ def test_an_outbox_record_is_parked_as_failed_at_its_last_attempt() -> None:
         TimeoutError(),
         ConnectionResetError(),
     ],
-    ids=["timeout", "nacked", "closed", "no-channel", "reset"],
+    ids=["timeout", "nacked", "closed", "confirm-timeout", "reset"],
 )
 def test_a_transport_failure_releases_the_record_without_counting_an_attempt(exc: BaseException) -> None:
     counters = OutboxCounters(OutboxOptions(max_attempts=1))
