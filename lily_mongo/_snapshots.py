@@ -13,10 +13,11 @@ import collections
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from .bounds import BOUNDS
 
-__all__ = ["ObservationLog", "QueueCounters", "QueueSnapshot", "Snapshot", "TerminalObservation"]
+__all__ = ["ObservationLog", "OutboxFigures", "QueueCounters", "QueueSnapshot", "Snapshot", "TerminalObservation"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,12 +140,24 @@ class Snapshot:
     state: str
     transport_generation: int
     queues: tuple[QueueSnapshot, ...]
-    outbox_pending: int | None
-    outbox_failed: int | None
-    outbox_published: int
+    outbox_pending: int | None = None
+    outbox_failed: int | None = None
+    outbox_published: int = 0
     outbox_unroutable: int = 0
     """Relay publishes the broker returned as unroutable since start (a missing destination queue)."""
     outbox_released: int = 0
     """Outbox records released after a transport failure since start, their attempts not counted."""
     outbox_blocked_seconds: float = 0.0
     """Seconds the outbox's publishers waited while the broker blocked their connection (an alarm)."""
+
+
+class OutboxFigures(TypedDict):
+    """The outbox fields of a :class:`Snapshot`, as one process's outbox counted them; a consumer
+    without an outbox leaves them at their defaults (none counted, nothing published)."""
+
+    outbox_pending: int | None
+    outbox_failed: int | None
+    outbox_published: int
+    outbox_unroutable: int
+    outbox_released: int
+    outbox_blocked_seconds: float

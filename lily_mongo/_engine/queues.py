@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 from .._lru import LruCounter
 from .._plan.options import QueueOptions
@@ -33,19 +34,14 @@ class QueueState:
         self.deferral_counts: LruCounter[bytes] = LruCounter(_COUNTER_MEMORY)
 
     def snapshot(self) -> QueueSnapshot:
-        c = self.counters
+        """The queue's figures now: every counter of :class:`QueueCounters` under its own name."""
+        counters = self.counters
+        figures = {field.name: getattr(counters, field.name) for field in dataclasses.fields(counters)}
+        figures["outcomes"] = dict(counters.outcomes)  # a copy: the counter goes on counting
         return QueueSnapshot(
             queue_index=self.index,
             permits=self.options.concurrency,
             in_flight=self.in_flight,
             buffered=len(self.buffer),
-            outcomes=dict(c.outcomes),
-            received=c.received,
-            transient_replays=c.transient_replays,
-            reconciliations=c.reconciliations,
-            deferrals=c.deferrals,
-            unresolved=c.unresolved,
-            abandoned=c.abandoned,
-            handoff_failures=c.handoff_failures,
-            broker_cancels=c.broker_cancels,
+            **figures,
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -87,18 +87,10 @@ class Wiring:
     def snapshot(self, state: str) -> Snapshot:
         """The consumer's bounded aggregate state, in lifecycle state ``state``."""
         engine = self.engine
-        counters = self.outbox.counters if self.outbox is not None else None
-        return Snapshot(
-            state=state,
-            transport_generation=engine.generation,
-            queues=engine.snapshots(),
-            outbox_pending=counters.pending if counters else None,
-            outbox_failed=counters.failed if counters else None,
-            outbox_published=counters.published if counters else 0,
-            outbox_unroutable=counters.unroutable if counters else 0,
-            outbox_released=counters.released if counters else 0,
-            outbox_blocked_seconds=counters.blocked_seconds if counters else 0.0,
-        )
+        snapshot = Snapshot(state, engine.generation, engine.snapshots())
+        if self.outbox is None:
+            return snapshot
+        return replace(snapshot, **self.outbox.counters.figures())
 
     async def start(self, tasks: TaskSet) -> None:
         """Consume on the intake's connection. The outbox starts first, on a connection of its own

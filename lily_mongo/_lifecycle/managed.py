@@ -220,7 +220,7 @@ class ManagedConsumer:
     def snapshot(self) -> Snapshot:
         """Bounded aggregate state: counts only, never payloads, ids, names or endpoints."""
         if self._wiring is None:
-            return Snapshot(self.state, 0, (), outbox_pending=None, outbox_failed=None, outbox_published=0)
+            return Snapshot(self.state, 0, ())
         return self._wiring.snapshot(self.state)
 
     def delivery_terminal_observations(self) -> tuple[TerminalObservation, ...]:

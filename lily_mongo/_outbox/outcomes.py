@@ -19,6 +19,7 @@ from .._amqp import AmqpFailure, amqp_failure
 from .._backoff import backoff
 from .._errors import PublishError
 from .._lru import Lru
+from .._snapshots import OutboxFigures
 from . import protocol
 from .options import OutboxOptions
 from .protocol import Failure
@@ -120,6 +121,17 @@ class OutboxCounters:
         self.released = 0  # transport failures: records released without counting an attempt
         self.blocked_seconds = 0.0  # time publishers waited while the broker blocked their connection
         self._released_warned = -WARNING_INTERVAL
+
+    def figures(self) -> OutboxFigures:
+        """The snapshot's outbox fields."""
+        return OutboxFigures(
+            outbox_pending=self.pending,
+            outbox_failed=self.failed,
+            outbox_published=self.published,
+            outbox_unroutable=self.unroutable,
+            outbox_released=self.released,
+            outbox_blocked_seconds=self.blocked_seconds,
+        )
 
     def confirmed(self, record: dict[str, Any]) -> None:
         self._warned.forget((str(record.get("exchange", "")), str(record.get("routing_key", ""))))

@@ -155,18 +155,7 @@ class Relay:
 
     def snapshot(self) -> Snapshot:
         """The outbox counts: pending and failed (refreshed every ``count_interval``), published, unroutable."""
-        counters = self._process.counters
-        return Snapshot(
-            self.state,
-            self._generation(),
-            (),
-            outbox_pending=counters.pending,
-            outbox_failed=counters.failed,
-            outbox_published=counters.published,
-            outbox_unroutable=counters.unroutable,
-            outbox_released=counters.released,
-            outbox_blocked_seconds=counters.blocked_seconds,
-        )
+        return Snapshot(self.state, self._generation(), (), **self._process.counters.figures())
 
     # -- start, run, stop ----------------------------------------------------------------------------
 
