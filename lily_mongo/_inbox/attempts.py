@@ -14,7 +14,6 @@ the record read with majority read concern.
 from __future__ import annotations
 
 import asyncio
-import datetime
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -233,7 +232,7 @@ class Attempts:
             route.handler_id,
             lease.event_id,
             lease.owner,
-            now=datetime.datetime.now(datetime.UTC) + store.clock_offset,
+            now=store.now(),
             retention_seconds=store.options.retention_seconds,
         )
         bound = in_time(lease)

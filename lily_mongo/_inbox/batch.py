@@ -23,7 +23,6 @@ entry, or a bisection) is the engine's decision (``lily_mongo._engine.batches``)
 from __future__ import annotations
 
 import asyncio
-import datetime
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,9 +39,9 @@ from .._observer import Observer
 from .._outbox import ProcessOutbox
 from .._plan.batch import Batch, BatchEntry
 from .._verdicts import Outcome, PipelineResult
-from . import batch_claim, protocol
+from . import batch_claim, first_claim, protocol
 from .attempts import Deferral, operation_failed
-from .batch_claim import Found
+from .first_claim import FirstClaim
 from .lease import Lease, LeaseDeadline, in_time, now, share
 from .protocol import Reconciled
 from .scope import MongoScope
@@ -177,10 +176,10 @@ class BatchAttempts:
             found = await self._read(session, keys, lease)
             claimed: list[int] = []
             for i, key in enumerate(keys):
-                kind = batch_claim.found_in_batch(found.get(key))
-                if kind is Found.COMPLETED:
+                kind = first_claim.read_first_claim(found.get(key))
+                if kind is FirstClaim.DUPLICATE:
                     run.verdicts[i] = _DUPLICATE
-                elif kind is Found.LEASE:
+                elif kind is FirstClaim.CONTENDED:
                     run.contended.append(i)
                 else:
                     claimed.append(i)
@@ -254,11 +253,7 @@ class BatchAttempts:
         """Insert the claimed entries' records, completed, in the transaction: before the handler runs."""
         store = self._store
         records = batch_claim.batch_records(
-            route.handler_id,
-            events,
-            lease.owner,
-            now=datetime.datetime.now(datetime.UTC) + store.clock_offset,
-            retention_seconds=store.options.retention_seconds,
+            route.handler_id, events, lease.owner, now=store.now(), retention_seconds=store.options.retention_seconds
         )
         bound = in_time(lease)
         try:

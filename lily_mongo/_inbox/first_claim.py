@@ -17,6 +17,7 @@ __all__ = [
     "FirstClaim",
     "claims_in_transaction",
     "first_claim_falls_back",
+    "first_claim_record",
     "first_claim_transition",
     "first_claim_update",
     "read_first_claim",
@@ -85,6 +86,13 @@ def first_claim_transition(
     """The record :func:`first_claim_update` writes, or None (an existing record is left unchanged)."""
     if record is not None:
         return None
+    return first_claim_record(key, handler_id, event_id, owner, now=now, retention_seconds=retention_seconds)
+
+
+def first_claim_record(
+    key: str, handler_id: str, event_id: str, owner: str, *, now: datetime.datetime, retention_seconds: float
+) -> dict[str, Any]:
+    """The record a first-time copy's claim inserts: completed, ``owner``'s, token 1."""
     insert = first_claim_update(handler_id, event_id, owner, now=now, retention_seconds=retention_seconds)
     return {"_id": key, **insert["$setOnInsert"]}
 

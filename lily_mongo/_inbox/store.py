@@ -77,6 +77,10 @@ class RecordStore:
         self.lifetime = options.transaction_lifetime_seconds or DEFAULT_TRANSACTION_LIFETIME
         self.clock_offset = datetime.timedelta(0)  # server clock - consumer clock, read by prepare()
 
+    def now(self) -> datetime.datetime:
+        """The server's time: the consumer's clock corrected by the offset read at start."""
+        return datetime.datetime.now(datetime.UTC) + self.clock_offset
+
     def wait_for(self, queue: str) -> float:
         """How long a write of a ``queue`` delivery's record outside a transaction may wait (its
         ``maxTimeMS``): ``max_wait_seconds``, at most a quarter of the queue's delivery deadline."""

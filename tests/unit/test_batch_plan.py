@@ -25,7 +25,7 @@ from lily_mongo import (
 )
 from lily_mongo._engine.barrier import SettleBarrier
 from lily_mongo._inbox import batch_claim, first_claim
-from lily_mongo._inbox.batch_claim import Found
+from lily_mongo._inbox.first_claim import FirstClaim
 
 URL = "amqp://guest:guest@127.0.0.1:1/"
 
@@ -107,10 +107,11 @@ def test_batch_options_and_a_batch_parameter_go_together() -> None:
 
 
 def test_the_batch_claim_reads_records_as_the_protocol_does() -> None:
-    assert batch_claim.found_in_batch(None) is Found.ABSENT
-    assert batch_claim.found_in_batch({"_id": "k", "state": "completed"}) is Found.COMPLETED
-    assert batch_claim.found_in_batch({"_id": "k", "state": "leased", "owner": "o"}) is Found.LEASE
-    assert batch_claim.found_in_batch({"_id": "k", "deferrals": 3}) is Found.LEASE  # a counting record
+    # The snapshot read's records, read as a first-time copy's claim reads what it found.
+    assert first_claim.read_first_claim(None) is FirstClaim.CLAIMED
+    assert first_claim.read_first_claim({"_id": "k", "state": "completed"}) is FirstClaim.DUPLICATE
+    assert first_claim.read_first_claim({"_id": "k", "state": "leased", "owner": "o"}) is FirstClaim.CONTENDED
+    assert first_claim.read_first_claim({"_id": "k", "deferrals": 3}) is FirstClaim.CONTENDED  # a counting record
     now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     [record] = batch_claim.batch_records("h", [("h|e", "e")], "owner:1", now=now, retention_seconds=60)
     single = first_claim.first_claim_transition(
