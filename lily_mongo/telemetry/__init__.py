@@ -29,8 +29,8 @@ What is emitted follows the OpenTelemetry messaging semantic conventions:
   in-flight deliveries, permits, outbox pending and failed).
 
 The metrics' names, units and descriptions are the catalogue in
-:mod:`lily_mongo._metrics`; the instruments are ``_instruments``, a delivery's span ``_trace``, the
-trace context a message carries ``_context``, the observer itself ``_telemetry``. Nothing of the
+:mod:`lily_mongo._metrics`; the instruments are ``_instruments``, what spans record ``_spans``, the
+trace context a message carries ``_context``, the observer and a delivery's span ``_telemetry``. Nothing of the
 OpenTelemetry API is imported before a :class:`Telemetry` is made (``import lily_mongo`` stays
 light; docs/observability.md). Attributes never carry payloads, header values
 other than the trace context, credentials or connection strings. Metric
@@ -48,8 +48,7 @@ from .._metrics import DURATION_BUCKETS, LAG_BUCKETS
 
 if TYPE_CHECKING:
     from ._instruments import HistogramData
-    from ._telemetry import Telemetry
-    from ._trace import DeliveryTrace
+    from ._telemetry import DeliveryTrace, Telemetry
 
 __all__ = [
     "AVAILABLE",
@@ -64,7 +63,7 @@ __all__ = [
 AVAILABLE = importlib.util.find_spec("opentelemetry") is not None
 """True when ``opentelemetry-api`` is installed (the ``otel`` extra)."""
 
-_LAZY = {"Telemetry": "_telemetry", "DeliveryTrace": "_trace", "HistogramData": "_instruments"}
+_LAZY = {"Telemetry": "_telemetry", "DeliveryTrace": "_telemetry", "HistogramData": "_instruments"}
 
 
 def __getattr__(name: str) -> Any:

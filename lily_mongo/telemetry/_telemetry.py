@@ -1,15 +1,17 @@
-"""``Telemetry``: the engine's observer, through the OpenTelemetry API (docs/observability.md)."""
+"""``Telemetry``: the engine's observer, through the OpenTelemetry API (docs/observability.md), and
+``DeliveryTrace``: one delivery's ``CONSUMER`` span and what it records until the terminal outcome."""
 
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
-from opentelemetry.trace import Link, SpanKind
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from .._clock import aware
 from .._headers import TRACEPARENT_HEADER
@@ -22,14 +24,14 @@ from .._metrics import (
 from .._observer import C, DeliveryObserver, PublishWith, SnapshotSource
 from ._context import inject, parent_context, with_trace_context
 from ._instruments import SCOPE, SYSTEM, Histogram, instruments_for
-from ._trace import DeliveryTrace, mark_failed, result_attributes
+from ._spans import ERROR_OUTCOMES, mark_failed, result_attributes
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.metrics import MeterProvider
-    from opentelemetry.trace import TracerProvider
+    from opentelemetry.trace import Span, TracerProvider
 
-    from .._verdicts import PipelineResult
+    from .._verdicts import Execution, PipelineResult
 
 
 class Telemetry:
@@ -291,3 +293,82 @@ class Telemetry:
             lag = max((now - (aware(enqueued_at) or now)).total_seconds(), 0.0)
             self._instruments.relay_lag.record(lag, {"messaging.system": SYSTEM, "lily.publish": operation})
             self.relay_lag.record((("path", operation),), lag)
+
+
+class DeliveryTrace:
+    """One delivery's span, the context it is current in, its token and its timings; ended by :meth:`finish`."""
+
+    __slots__ = ("_owner", "_token", "context", "handler_seconds", "queue", "span", "started")
+
+    def __init__(self, owner: Telemetry, queue: str, span: Span, context: Context, token: object) -> None:
+        self._owner = owner
+        self._token: object | None = token
+        self.queue = queue
+        self.span = span
+        self.context = context
+        self.started = time.monotonic()
+        self.handler_seconds: float | None = None
+
+    def executed(self, started: float) -> None:
+        """The execution (started at ``time.monotonic()`` value ``started``) returned its verdict."""
+        self.handler_seconds = time.monotonic() - started
+
+    def finish(
+        self, handler_id: str | None, event_id: object, outcome: str, code: str | None, execution: Execution
+    ) -> None:
+        """End the span with the terminal outcome and record the delivery's histograms (once)."""
+        span = self.span
+        if not span.is_recording():
+            self._owner.finished(self, outcome, time.monotonic() - self.started)
+            span.end()
+            return
+        attributes: dict[str, str | int] = {"lily.outcome": outcome}
+        if handler_id is not None:
+            attributes["lily.handler.id"] = handler_id
+        if event_id is not None:
+            attributes["messaging.message.id"] = str(event_id)
+        if code:
+            attributes["lily.failure.code"] = code
+        if execution.attempts > 1:
+            attributes["lily.attempts"] = execution.attempts
+        if execution.transient_replays:
+            attributes["lily.inbox.transient_replays"] = execution.transient_replays
+        if execution.reconciliations:
+            attributes["lily.inbox.reconciliations"] = execution.reconciliations
+        if execution.deferrals:
+            attributes["lily.inbox.deferrals"] = execution.deferrals
+        span.set_attributes(attributes)
+        if outcome in ERROR_OUTCOMES:
+            span.set_attribute("error.type", code or outcome)
+            span.set_status(Status(StatusCode.ERROR, f"{outcome}: {code}" if code else outcome))
+        self._owner.finished(self, outcome, time.monotonic() - self.started)
+        span.end()
+
+    def detach(self) -> None:
+        """Restore the context that was current before the delivery (in the delivery's own task)."""
+        token, self._token = self._token, None
+        if token is not None:
+            otel_context.detach(token)  # type: ignore[arg-type]
+
+    async def handoff(
+        self,
+        send: PublishWith,
+        routing_key: str,
+        headers: Mapping[str, Any],
+        *,
+        dead_letter: bool,
+        code: str | None,
+    ) -> None:
+        """A retry or DLQ copy, published in a ``PRODUCER`` span that is this delivery span's child."""
+        attributes: dict[str, str | int] = {"lily.handoff": "dlq" if dead_letter else "retry"}
+        if code:
+            attributes["lily.failure.code"] = code
+        await self._owner.produce(
+            send,
+            exchange="",
+            routing_key=routing_key,
+            headers=headers,
+            operation="dlq" if dead_letter else "retry",
+            parent=self,
+            attributes=attributes,
+        )
