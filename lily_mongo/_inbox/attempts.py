@@ -81,13 +81,7 @@ class Attempts:
         self._store = store
         self._outbox = outbox
         self._observer = observer
-        options = store.options
-        self.rules = self._rules = transaction_rules.Rules(
-            replay_budget=options.replay_budget,
-            commit_retries=options.commit_retries,
-            backoff_base=options.backoff_base,
-            backoff_max=options.backoff_max,
-        )
+        self._rules = store.rules
 
     async def run(self, route: HandlerRoute, lease: Lease, execution: Execution, payload: Any, invoke: Invoke) -> bool:
         """The replay loop: each pass is a fresh scope; transient failures replay the whole pipeline.

@@ -31,7 +31,6 @@ import pymongo
 from pymongo.errors import BulkWriteError, DuplicateKeyError, PyMongoError
 
 from .._errors import ErrorCode
-from .._mongo import rules as transaction_rules
 from .._mongo import timed_out
 from .._mongo import transactions as transaction
 from .._mongo.transactions import Replay
@@ -88,14 +87,13 @@ class BatchAttempts:
         store: RecordStore,
         outbox: ProcessOutbox,
         observer: Observer,
-        rules: transaction_rules.Rules,
         new_owner: Callable[[], str],
     ) -> None:
         self._store = store
         self._outbox = outbox
         self._observer = observer
-        self._rules = rules
         self._new_owner = new_owner
+        self._rules = store.rules
 
     async def run(
         self, route: HandlerRoute, entries: Sequence[BatchEntry[Any]], invoke: InvokeBatch, *, until: float | None

@@ -92,7 +92,7 @@ class Inbox:
         self._owner_prefix = f"{owner_prefix[:64]}:{uuid.uuid4().hex[:12]}:"
         self._owner_numbers = itertools.count(1)
         # A batch handler's sets of entries, each in one transaction (docs/handlers.md, "Batch handlers").
-        self.batches = BatchAttempts(self._store, outbox, observer, self._attempts.rules, self._new_owner)
+        self.batches = BatchAttempts(self._store, outbox, observer, self._new_owner)
 
     @property
     def records(self) -> str:

@@ -31,6 +31,7 @@ from .._mongo import (
     write_unconfirmed,
 )
 from .._mongo import transactions as transaction
+from .._mongo.rules import Rules
 from .._mongo.transactions import majority_reads
 from .._verdicts import Outcome, PipelineResult
 from . import protocol
@@ -76,6 +77,13 @@ class RecordStore:
         self.deadlines = dict(deadlines or {})
         self.lifetime = options.transaction_lifetime_seconds or DEFAULT_TRANSACTION_LIFETIME
         self.clock_offset = datetime.timedelta(0)  # server clock - consumer clock, read by prepare()
+        # How often an attempt's transaction is replayed and its commit retried (docs/inbox.md).
+        self.rules = Rules(
+            replay_budget=options.replay_budget,
+            commit_retries=options.commit_retries,
+            backoff_base=options.backoff_base,
+            backoff_max=options.backoff_max,
+        )
 
     def now(self) -> datetime.datetime:
         """The server's time: the consumer's clock corrected by the offset read at start."""
