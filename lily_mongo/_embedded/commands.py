@@ -137,18 +137,12 @@ class LilyCommandExecutor(WireCommandExecutor):
         member: Callable[[Any], str] | None,
         majority_latency: float = 0.0,
     ) -> None:
-        super().__init__(client, cursor_store, session_store, surface=surface, auth=auth)
+        parts = {"client": client, "cursor_store": cursor_store, "session_store": session_store}
+        super().__init__(**parts, surface=surface, auth=auth)
         self._book = book
         self._majority_latency = majority_latency
         if member is not None:  # hello as a replica set's primary (.handshake)
-            self._handlers = ReplicaSetHandlers(
-                client=client,
-                cursor_store=cursor_store,
-                session_store=session_store,
-                surface=surface,
-                auth=auth,
-                member=member,
-            )
+            self._handlers = ReplicaSetHandlers(**parts, surface=surface, auth=auth, member=member)
         self._auth_service = auth
         self._sessions = session_store
         self._writes = RetryableWrites()

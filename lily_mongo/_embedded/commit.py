@@ -49,9 +49,8 @@ def merge(engine: Any, state: Any, transaction: Transaction, book: TransactionBo
                 collection,
                 engine._borrow_storage_document(version),
                 exclude_storage_key=storage_key,
-                indexes_view=engine._indexes,
                 storage_view=engine._storage,
-                index_data_view=engine._index_data,
+                **_live_indexes(engine),
             )
         except DuplicateKeyError as exc:
             raise book.conflict(transaction, f"a unique index of {database}.{collection}: {exc}") from None
@@ -96,6 +95,10 @@ def _index(engine: Any, database: str, collection: str, storage_key: Any, versio
         storage_key,
         engine._borrow_storage_document(version),
         action=action,
-        index_data_view=engine._index_data,
-        indexes_view=engine._indexes,
+        **_live_indexes(engine),
     )
+
+
+def _live_indexes(engine: Any) -> dict[str, Any]:
+    """The live collections' index definitions and entries, as mongoeco's index checks and updates take them."""
+    return {"indexes_view": engine._indexes, "index_data_view": engine._index_data}
