@@ -74,6 +74,7 @@ _PROPERTIES = tuple(
 )
 PROPERTY_NAMES: tuple[str, ...] = tuple(name for name, _, _ in _PROPERTIES)
 _AMQP_NAMES = {"message_type": "type"}  # pamqp's attribute names that differ from the AMQP property names
+_PROPERTY_LABELS = {name: f"property {_AMQP_NAMES.get(name, name)}" for name in PROPERTY_NAMES}
 
 Layouts = dict[int, tuple[tuple[str, str], ...]]
 """Property flags -> (name, type) of each property present, in wire order (one cache per connection)."""
@@ -114,35 +115,29 @@ def _repaired(raw: bytes, what: str, problems: list[str] | None) -> str:
     return text
 
 
+def _short_string(frame: bytes, offset: int, what: str, problems: list[str] | None) -> tuple[str, int]:
+    """The short string at ``offset`` of ``frame`` (its length octet first): (its text, its end)."""
+    start = offset + 1
+    end = start + frame[offset]
+    raw = frame[start:end]
+    try:
+        return raw.decode(), end
+    except UnicodeDecodeError:
+        return _repaired(raw, what, problems), end
+
+
 def read_delivery(frame: bytes, problems: list[str] | None = None) -> spec.Basic.Deliver | spec.Basic.GetOk:
     """The ``basic.deliver`` (or ``basic.get-ok``) in the whole method frame ``frame``."""
+    consumer_tag: str | None
     if frame[10] == _DELIVER_ID:
-        end = 12 + frame[11]
-        raw = frame[12:end]
-        try:
-            consumer_tag = raw.decode()
-        except UnicodeDecodeError:
-            consumer_tag = _repaired(raw, "the consumer tag", problems)
-        offset = end
+        consumer_tag, offset = _short_string(frame, 11, "the consumer tag", problems)
     else:
         consumer_tag = None
         offset = 11
     delivery_tag = int.from_bytes(frame[offset : offset + 8], signed=True)
     redelivered = bool(frame[offset + 8] & 1)
-    start = offset + 10
-    end = start + frame[start - 1]
-    raw = frame[start:end]
-    try:
-        exchange = raw.decode()
-    except UnicodeDecodeError:
-        exchange = _repaired(raw, "the exchange name", problems)
-    start = end + 1
-    end = start + frame[start - 1]
-    raw = frame[start:end]
-    try:
-        routing_key = raw.decode()
-    except UnicodeDecodeError:
-        routing_key = _repaired(raw, "the routing key", problems)
+    exchange, end = _short_string(frame, offset + 9, "the exchange name", problems)
+    routing_key, end = _short_string(frame, end, "the routing key", problems)
     method: spec.Basic.Deliver | spec.Basic.GetOk
     if consumer_tag is None:
         get_ok = method = new_instance(_GetOk)
@@ -192,13 +187,7 @@ def read_content_header(
     for name, kind in layout:
         value: Any
         if kind == "shortstr":
-            start = offset + 1
-            offset = start + frame[offset]
-            raw = frame[start:offset]
-            try:
-                value = raw.decode()
-            except UnicodeDecodeError:
-                value = _repaired(raw, f"property {_AMQP_NAMES.get(name, name)}", problems)
+            value, offset = _short_string(frame, offset, _PROPERTY_LABELS[name], problems)
         elif kind == "table":
             offset, value = read_table(frame, offset, limit, problems)
         elif kind == "octet":

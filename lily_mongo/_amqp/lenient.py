@@ -142,14 +142,11 @@ class LenientFrameReader:
         """
         if self._unread < len(self._out) or self._skip:
             return self._take_checked()
-        rest, start = self._rest, self._pos
-        if len(rest) - start < FRAME_HEAD:
-            return None
-        end = start + 8 + int.from_bytes(rest[start + 3 : start + 7])
-        if end > len(rest) or rest[start] not in FRAME_TYPES:
-            return None
-        self._pos = end
-        return rest[start:end]
+        start = self._pos
+        frame = _whole_frame(self._rest, start)
+        if frame is not None:
+            self._pos = start + len(frame)
+        return frame
 
     def incomplete(self) -> bool:
         """True when the next frame is not whole yet: more of the socket's bytes complete it."""
@@ -252,13 +249,10 @@ class LenientFrameReader:
                 return None
             self._check()
             out, start = self._out, self._unread
-            if len(out) - start < FRAME_HEAD:
-                return None
-        end = start + 8 + int.from_bytes(out[start + 3 : start + 7])
-        if end > len(out) or out[start] not in FRAME_TYPES:
-            return None
-        self._unread = end
-        return out[start:end]
+        frame = _whole_frame(out, start)
+        if frame is not None:
+            self._unread = start + len(frame)
+        return frame
 
     def _check(self) -> None:
         """Move every complete frame of the socket's bytes (checked, rewritten if needed) to ``_out``."""
@@ -294,6 +288,16 @@ class LenientFrameReader:
         else:
             self._pos = offset
         self._out, self._unread = b"".join(parts), 0
+
+
+def _whole_frame(buf: bytes, start: int) -> bytes | None:
+    """The whole frame at ``start`` of ``buf``; None when it is not whole yet, or not a frame."""
+    if len(buf) - start < FRAME_HEAD:
+        return None
+    end = start + 8 + int.from_bytes(buf[start + 3 : start + 7])
+    if end > len(buf) or buf[start] not in FRAME_TYPES:
+        return None
+    return buf[start:end]
 
 
 def _rewritten_header(frame: bytes, channel: int, problem: str | None, layouts: Layouts) -> bytes:
