@@ -93,7 +93,6 @@ class BatchAttempts:
         self._outbox = outbox
         self._observer = observer
         self._new_owner = new_owner
-        self._rules = store.rules
 
     async def run(
         self, route: HandlerRoute, entries: Sequence[BatchEntry[Any]], invoke: InvokeBatch, *, until: float | None
@@ -132,14 +131,14 @@ class BatchAttempts:
 
         def spent(replay: Replay, replays: int) -> BatchRun:
             run.transient_replays = replays
-            reason = f"{replays - 1} transient replays (budget {self._rules.replay_budget}); last: {replay}"
+            reason = f"{replays - 1} transient replays (budget {self._store.rules.replay_budget}); last: {replay}"
             return self._every(
                 run,
                 entries,
                 PipelineResult(Outcome.DEFERRED, ErrorCode.REPLAY_BUDGET_SPENT, reason, replay.handler_error),
             )
 
-        return await transaction.replaying(attempt, self._rules, stop=stop, spent=spent)
+        return await transaction.replaying(attempt, self._store.rules, stop=stop, spent=spent)
 
     @staticmethod
     def _every(run: BatchRun, entries: Sequence[BatchEntry[Any]], result: PipelineResult) -> BatchRun:
@@ -270,7 +269,7 @@ class BatchAttempts:
     async def _unclaim(self, session: AsyncClientSession, keys: list[str], lease: Lease) -> None:
         """Delete the records of entries the handler failed, in the transaction: they commit nothing."""
         try:
-            with pymongo.timeout(share(lease, self._rules.commit_retries + 3)):
+            with pymongo.timeout(share(lease, self._store.rules.commit_retries + 3)):
                 await self._store.records.delete_many({"_id": {"$in": keys}}, session=session)
         except PyMongoError as exc:
             await self._store.abort(session)
@@ -286,12 +285,12 @@ class BatchAttempts:
     ) -> bool:
         """Commit; True once committed. An unknown result is retried, then every record read back decides its
         own event (committed, a duplicate, or ambiguous: deferred)."""
-        if await transaction.commit(session, share(lease, self._rules.commit_retries + 2)) is None:
+        if await transaction.commit(session, share(lease, self._store.rules.commit_retries + 2)) is None:
             for i in committing:
                 run.verdicts[i] = _SUCCESS
             return True
         run.reconciliations += 1
-        if await transaction.retry_commit(session, self._rules, LeaseDeadline(lease)):
+        if await transaction.retry_commit(session, self._store.rules, LeaseDeadline(lease)):
             for i in committing:
                 run.verdicts[i] = _SUCCESS
             return True

@@ -12,6 +12,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from pymongo.write_concern import WriteConcern
+
 from .._clock import Clock, aware, utcnow
 from .._observer import NO_OBSERVER, Observer
 from .._tasks import TaskSet
@@ -47,7 +49,7 @@ class OutboxDispatcher:
 
     def __init__(
         self,
-        majority: AsyncCollection[Any],
+        collection: AsyncCollection[Any],
         options: OutboxOptions,
         owner: str,
         counters: OutboxCounters,
@@ -55,10 +57,12 @@ class OutboxDispatcher:
         observer: Observer = NO_OBSERVER,
         clock: Clock = utcnow,
     ) -> None:
-        self._majority = majority
+        # Its marks and failure records are majority-acknowledged, whatever the client's default
+        # (docs/outbox.md, "What it costs: commands per record").
+        self._majority = collection.with_options(write_concern=WriteConcern("majority"))
         self._options = options
         self._owner = owner
-        self._counters = counters
+        self.counters = counters  # what it did, shared with the process's relay (the snapshot's figures)
         self._observer = observer
         self._clock = clock
         self.token = uuid.uuid4().hex
@@ -85,11 +89,6 @@ class OutboxDispatcher:
     def running(self) -> bool:
         return self._running
 
-    @property
-    def counters(self) -> OutboxCounters:
-        """What it did, shared with the process's relay (the snapshot's figures)."""
-        return self._counters
-
     def claim(self) -> Claim | None:
         """The claim a new transaction's records are born with, or None while the dispatcher is not running."""
         if not self._running:
@@ -110,7 +109,7 @@ class OutboxDispatcher:
         if self._queue and (
             len(self._queue) + len(records) > DISPATCH_QUEUE_LIMIT or self._queued_bytes + size > DISPATCH_QUEUE_BYTES
         ):
-            self._counters.left_to_relay(len(records), "the dispatch queue is full (is the broker reachable?)")
+            self.counters.left_to_relay(len(records), "the dispatch queue is full (is the broker reachable?)")
             return
         self._queued_bytes += size
         committed = utcnow()
@@ -196,9 +195,9 @@ class OutboxDispatcher:
 
         # While the broker blocks the connection (an alarm), publish nothing: wait, counted, at most
         # as long as a claim lasts; records whose claim then runs out are the relay's (docs/outbox.md).
-        self._counters.blocked_seconds += await transport.unblocked(self._options.claim_seconds)
+        self.counters.blocked_seconds += await transport.unblocked(self._options.claim_seconds)
         results = await publish_batch(batch, transport, self._observer, via="dispatch", keep=keep)
-        counters = self._counters
+        counters = self.counters
         settled = counters.settle(batch, results, self._breaker)
         if settled.marks and self._oldest_mark is None:
             # The batch's first record was committed first: its claim is (about) the oldest.
@@ -258,9 +257,7 @@ class OutboxDispatcher:
             self._marks_since = None
             self._flushing = True
             try:
-                await write_outcomes(
-                    self._majority, self._counters, options, self.token, marks, failures, self._clock()
-                )
+                await write_outcomes(self._majority, self.counters, options, self.token, marks, failures, self._clock())
             finally:
                 self._writing_oldest = None
                 self._flushing = False

@@ -124,14 +124,14 @@ class OutboxCounters:
 
     def figures(self) -> OutboxFigures:
         """The snapshot's outbox fields."""
-        return OutboxFigures(
-            outbox_pending=self.pending,
-            outbox_failed=self.failed,
-            outbox_published=self.published,
-            outbox_unroutable=self.unroutable,
-            outbox_released=self.released,
-            outbox_blocked_seconds=self.blocked_seconds,
-        )
+        return {
+            "outbox_pending": self.pending,
+            "outbox_failed": self.failed,
+            "outbox_published": self.published,
+            "outbox_unroutable": self.unroutable,
+            "outbox_released": self.released,
+            "outbox_blocked_seconds": self.blocked_seconds,
+        }
 
     def confirmed(self, record: dict[str, Any]) -> None:
         self._warned.forget((str(record.get("exchange", "")), str(record.get("routing_key", ""))))

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pymongo import AsyncMongoClient
-from pymongo.write_concern import WriteConcern
 from yarl import URL
 
 from .._amqp import connect_amqp
@@ -25,7 +24,7 @@ from .options import OutboxOptions
 from .outcomes import OutboxCounters
 from .publishing import ChannelTransport, FixedTransport, Send
 from .relay import OutboxRelay
-from .writer import OutboxWriter
+from .writer import OutboxWriter, WriterSettings
 
 if TYPE_CHECKING:
     import aio_pika.abc
@@ -81,11 +80,13 @@ class ProcessOutbox:
         self._read_at = time.monotonic()  # ... this monotonic time
         self.clock_read = False
         self.counters = OutboxCounters(options)
-        majority = self.collection.with_options(write_concern=WriteConcern("majority"))
-        self.dispatcher = OutboxDispatcher(majority, options, owner, self.counters, observer=observer, clock=self.clock)
+        self.dispatcher = OutboxDispatcher(
+            self.collection, options, owner, self.counters, observer=observer, clock=self.clock
+        )
         self.relay = OutboxRelay(
             self.collection, options, owner, observer=observer, counters=self.counters, clock=self.clock
         )
+        self._writers = WriterSettings(self.collection, options.max_body, observer, self.clock, self.dispatcher.claim)
         self._dispatch_channel: aio_pika.abc.AbstractChannel | None = None
         self._connection: aio_pika.abc.AbstractConnection | None = None  # owned, when opened here
         self._relaying = False
@@ -122,16 +123,7 @@ class ProcessOutbox:
 
     def writer(self, session: AsyncClientSession, writer: str, is_open: Callable[[], bool]) -> OutboxWriter:
         """The outbox of one transaction on ``session``; ``writer`` names it in its records (``handler``)."""
-        return OutboxWriter(
-            self.collection,
-            session,
-            writer=writer,
-            max_body=self.options.max_body,
-            is_open=is_open,
-            observer=self._observer,
-            clock=self.clock,
-            claim=self.dispatcher.claim,
-        )
+        return OutboxWriter(self._writers, session, writer=writer, is_open=is_open)
 
     def committed(self, writer: OutboxWriter) -> None:
         """``writer``'s transaction committed: hand its records to the dispatcher (it does not wait)."""

@@ -73,6 +73,7 @@ class OutboxRelay:
         self._options = options
         self._owner = owner
         self._clock = clock
+        # What it did, for the snapshot (shared with the process's dispatcher).
         self.counters = counters if counters is not None else OutboxCounters(options)
         self._wake = asyncio.Event()
         self._stopping = False
@@ -81,23 +82,6 @@ class OutboxRelay:
         self._claim_warned = -WARNING_INTERVAL
         self._breaker = Breaker(options)
         self._horizon = max(options.claim_seconds, options.backoff_max) + HORIZON_SLACK
-
-    # The snapshot's figures (shared with the process's dispatcher).
-    @property
-    def pending(self) -> int | None:
-        return self.counters.pending
-
-    @property
-    def failed(self) -> int | None:
-        return self.counters.failed
-
-    @property
-    def published(self) -> int:
-        return self.counters.published
-
-    @property
-    def unroutable(self) -> int:
-        return self.counters.unroutable
 
     @property
     def running(self) -> bool:

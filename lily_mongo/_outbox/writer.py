@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import bson
@@ -31,6 +32,18 @@ if TYPE_CHECKING:
 # -- the writer -----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class WriterSettings:
+    """What the writers of one process's transactions share: the record collection, the body bound, the
+    observer, the (server-corrected) clock records are written at, and the dispatcher's claim, if any."""
+
+    collection: AsyncCollection[Any]
+    max_body: int
+    observer: Observer = NO_OBSERVER
+    clock: Clock = utcnow
+    claim: Callable[[], Claim | None] | None = None
+
+
 class OutboxWriter(TypedPublishing):
     """The outgoing messages of one transaction, inserted in it; valid while its scope is open.
 
@@ -38,41 +51,15 @@ class OutboxWriter(TypedPublishing):
     are the documents inserted, in write order, for the dispatcher once committed.
     """
 
-    __slots__ = (
-        "_claim",
-        "_clock",
-        "_collection",
-        "_is_open",
-        "_max_body",
-        "_next_seq",
-        "_observer",
-        "_session",
-        "_writer",
-        "_written_at",
-        "claim",
-        "records",
-    )
+    __slots__ = ("_is_open", "_next_seq", "_session", "_settings", "_writer", "_written_at", "claim", "records")
 
     def __init__(
-        self,
-        collection: AsyncCollection[Any],
-        session: AsyncClientSession,
-        *,
-        writer: str,
-        max_body: int,
-        is_open: Callable[[], bool],
-        observer: Observer = NO_OBSERVER,
-        clock: Clock = utcnow,
-        claim: Callable[[], Claim | None] | None = None,
+        self, settings: WriterSettings, session: AsyncClientSession, *, writer: str, is_open: Callable[[], bool]
     ) -> None:
-        self._collection = collection
+        self._settings = settings
         self._session = session
         self._writer = writer
-        self._max_body = max_body
         self._is_open = is_open
-        self._observer = observer
-        self._clock = clock
-        self._claim = claim
         self._written_at = protocol.EPOCH
         self._next_seq = 0  # taken before the insert's await: concurrent publishes get distinct positions
         self.claim: Claim | None = None
@@ -91,15 +78,16 @@ class OutboxWriter(TypedPublishing):
     ) -> uuid.UUID:
         if not self._is_open():
             raise ScopeClosedError("the outbox of a finished transaction cannot be used")
-        self._observer.outbox_record(cast("dict[str, Any]", options))  # it may add the trace context
+        settings = self._settings
+        settings.observer.outbox_record(cast("dict[str, Any]", options))  # it may add the trace context
         publication = prepare_publication(
-            content, routing_key, payload, version=version, max_body=self._max_body, **options
+            content, routing_key, payload, version=version, max_body=settings.max_body, **options
         )
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         if seq == 0:
             # One time and one claim per transaction: its records sort together, in write order.
-            self._written_at = self._clock()
-            self.claim = self._claim() if self._claim is not None else None
+            self._written_at = settings.clock()
+            self.claim = settings.claim() if settings.claim is not None else None
         record = protocol.new_record(
             record_id=uuid.uuid4().hex,
             event_id=str(publication.event_id),
@@ -118,7 +106,7 @@ class OutboxWriter(TypedPublishing):
                 f"an outbox record of {size} bytes (body {len(publication.body)} bytes) exceeds {MAX_RECORD_BYTES} "
                 "bytes: MongoDB's 16 MiB document limit less 4 KiB for the relay's claim and marks"
             )
-        await self._collection.insert_one(record, session=self._session)
+        await settings.collection.insert_one(record, session=self._session)
         self.records.append(record)
         if len(self.records) > 1 and self.records[-2]["seq"] > seq:  # concurrent publishes finished out of order
             self.records.sort(key=lambda r: r["seq"])

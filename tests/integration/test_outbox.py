@@ -465,7 +465,7 @@ async def test_two_relays_publish_every_record_exactly_once(mongodb: MongoDB, br
     published = event_ids(messages)
     assert len(published) == len(records)
     assert sorted(published) == sorted(r["event_id"] for r in records)
-    assert sum(relay.published for relay in relays) == len(records)
+    assert sum(relay.counters.published for relay in relays) == len(records)
     for record in await outbox.find({}).to_list():
         assert record["status"] == "published"
         assert record["claim_owner"] in ("relay-0", "relay-1")
@@ -502,7 +502,7 @@ async def test_expired_claim_is_taken_over_and_a_live_claim_is_respected(mongodb
         assert still is not None
         assert (still["status"], still["claim_owner"], still["claim_token"]) == ("pending", "alive", "t2")
         assert event_ids(await broker.drain(down)) == [crashed["event_id"]]
-        await eventually(lambda: relay.pending == 1, what="the relay's idle count", interval=0.05)
+        await eventually(lambda: relay.counters.pending == 1, what="the relay's idle count", interval=0.05)
         # Once that claim expires, the record is published after all.
         await outbox.update_one({"_id": held["_id"]}, {"$set": {"claim_expires": now - datetime.timedelta(seconds=1)}})
 
@@ -514,7 +514,7 @@ async def test_expired_claim_is_taken_over_and_a_live_claim_is_respected(mongodb
     taken = await outbox.find_one({"_id": crashed["_id"]})
     assert taken is not None
     assert taken["claim_owner"] == "relay-new"
-    assert relay.published == 2
+    assert relay.counters.published == 2
 
 
 # -- lifecycle ------------------------------------------------------------------------------------
@@ -586,7 +586,7 @@ async def test_run_relay_false_dispatches_but_leaves_a_failed_record_for_another
     # A relay run elsewhere picks it up.
     relay = OutboxRelay(outbox, OutboxOptions(poll_interval=0.05), "relay-elsewhere")
     async with relays_running(broker.connection, [relay]):
-        await eventually(lambda: relay.published == 1, what="the relay elsewhere", interval=0.05)
+        await eventually(lambda: relay.counters.published == 1, what="the relay elsewhere", interval=0.05)
     assert event_ids(await broker.drain(down)) == [str(staged[-1])]
 
 

@@ -86,7 +86,7 @@ async def test_draining_a_backlog_costs_at_most_a_tenth_of_a_command_per_record(
     try:
         relay = OutboxRelay(client[mongodb.name][OUTBOX], OutboxOptions(poll_interval=0.2), "drain")
         async with relays_running(broker.connection, [relay]):
-            await eventually(lambda: relay.published == count, what="the backlog drained", timeout=60.0)
+            await eventually(lambda: relay.counters.published == count, what="the backlog drained", timeout=60.0)
     finally:
         await client.close()
     assert await broker.wait_for_depth(down, count) == count
@@ -117,7 +117,7 @@ async def test_records_of_one_transaction_are_published_in_write_order(broker: B
     written = [await outbox.transaction(writing(t)) for t in range(5)]
     relay = OutboxRelay(mongodb.db[OUTBOX], options, "order")
     async with relays_running(broker.connection, [relay]):
-        await eventually(lambda: relay.published == 60, what="every record relayed", timeout=30.0)
+        await eventually(lambda: relay.counters.published == 60, what="every record relayed", timeout=30.0)
     arrived = event_ids(await broker.drain(down))
     assert sorted(arrived) == sorted(e for t in written for e in t)
     for transaction in written:

@@ -57,6 +57,6 @@ def test_a_queue_snapshot_carries_every_queue_counter_and_a_copy_of_the_outcomes
         setattr(queue.counters, name, number)
     queue.counters.outcomes["acked"] = 9
     snapshot = queue.snapshot()
-    assert {name: getattr(snapshot, name) for name in names} == dict(zip(names, range(1, len(names) + 1)))
+    assert {name: getattr(snapshot, name) for name in names} == {name: n for n, name in enumerate(names, start=1)}
     queue.counters.outcomes["acked"] += 1
     assert snapshot.outcomes == {"acked": 9}
