@@ -68,7 +68,13 @@ AMQP_ERRORS: Mapping[type[BaseException], AmqpFailure] = MappingProxyType(
 
 
 def amqp_failure(exc: BaseException) -> AmqpFailure | None:
-    """What ``exc`` says happened (its most specific class in :data:`AMQP_ERRORS`), or None."""
+    """What ``exc`` says happened (its most specific class in :data:`AMQP_ERRORS`), or None.
+
+    A plain ``Exception``, no subclass, is a closed channel's or connection's: aiormq rejects the
+    futures still waiting on one closed without a reason (aio-pika's ``close()``) with ``Exception``.
+    """
+    if type(exc) is Exception:
+        return AmqpFailure.CLOSED
     for cls in type(exc).__mro__:
         failure = AMQP_ERRORS.get(cls)
         if failure is not None:

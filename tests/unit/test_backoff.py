@@ -16,6 +16,7 @@ import random
 from types import SimpleNamespace
 from typing import Any
 
+import aiormq.base
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -155,6 +156,20 @@ def test_a_transport_failure_releases_the_record_without_counting_an_attempt(exc
     update = protocol.failure_update(failure, datetime.datetime.now(datetime.UTC))
     assert "attempts" not in update["$set"]
     assert update["$set"]["status"] == "pending"
+    assert counters.released == 1
+
+
+async def test_a_publish_waiting_on_a_channel_closed_without_a_reason_is_released_not_counted() -> None:
+    # aio-pika's close() closes aiormq's channel with no exception: aiormq fails each future still
+    # waiting on it (a publish's confirm) with a plain Exception.
+    store = aiormq.base.FutureStore(asyncio.get_running_loop())
+    confirm = store.create_future()
+    await store.reject_all(None)
+    exc = confirm.exception()
+    assert exc is not None
+    counters = OutboxCounters(OutboxOptions(max_attempts=1))
+    failure = counters.failure({"attempts": 0}, exc, jitter=0.5, alone=True, release_delay=2.0)
+    assert (failure.attempts, failure.parked, failure.counted) == (0, False, False)
     assert counters.released == 1
 
 
